@@ -1,0 +1,1 @@
+"""Engines behind one contract (base.Engine), looked up by name through registry."""

@@ -1,0 +1,132 @@
+"""The Engine contract every backend implements, and the offload-depth rules they share.
+
+The harness owns the clock: an engine only does work and returns once that work is finished
+(synchronized). See ../shared/DESIGN.md, "Engine contract" and "Offload semantics".
+"""
+from __future__ import annotations
+
+import os
+import re
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+
+class UserError(Exception):
+    """Bad input from the user: the message is one sentence naming the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """One settings record shared by every engine. `n_cpu_moe` is already resolved to an int."""
+    n_cpu_moe: int = 0
+    n_ctx: int = 4096
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+    flash_attn: str = "auto"       # on | off | auto
+    device: str = "auto"           # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"            # compute dtype for engines that choose one (reference)
+    mmap: bool = True
+    seed: int = 0
+    extra: dict = field(default_factory=dict, hash=False)   # engine-specific knobs
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class EngineInfo:
+    """What the engine actually did after load(): the report compares this with what was asked."""
+    engine: str
+    version: str
+    settings: dict                                   # effective settings (may differ from asked)
+    bytes_by_device: dict[str, int]                  # resident bytes per device/buffer type
+    expert_bytes_host: int = 0                       # routed-expert bytes kept in host RAM
+    expert_bytes_total: int = 0
+    n_overridden_tensors: int | None = None          # tensors placed on host by the depth rule
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def expert_host_fraction(self) -> float:
+        return self.expert_bytes_host / self.expert_bytes_total if self.expert_bytes_total else float("nan")
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"expert_host_fraction": self.expert_host_fraction}
+
+
+class Engine(ABC):
+    """One inference engine behind the harness. Heavy imports belong inside the methods."""
+    name: str = ""
+
+    @classmethod
+    @abstractmethod
+    def available(cls) -> str | None:
+        """None when the engine can run here, else one sentence saying why not and how to fix it."""
+
+    @classmethod
+    def version(cls) -> str:
+        return "unknown"
+
+    @abstractmethod
+    def load(self, model: Path, s: EngineSettings) -> None: ...
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Empty the KV cache; the next prefill starts at position 0."""
+
+    @abstractmethod
+    def prefill(self, tokens: Sequence[int]) -> None:
+        """Process tokens in n_ubatch chunks; synchronized on return."""
+
+    @abstractmethod
+    def decode(self, token: int) -> None:
+        """Process one token at the next position; synchronized on return."""
+
+    @abstractmethod
+    def info(self) -> EngineInfo: ...
+
+    def counters(self) -> dict[str, float]:
+        """Engine-internal timing of the work since the last reset(), as a cross-check (optional)."""
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+# --- offload depth -------------------------------------------------------------------------------
+
+EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_(ch|)exps\b")
+
+
+def expert_layer(tensor_name: str) -> int | None:
+    """Layer index of a routed-expert tensor (`blk.3.ffn_up_exps.weight` -> 3), else None.
+    Shared experts (`_shexp`) and the router (`ffn_gate_inp`) are not routed experts."""
+    m = EXPERT_TENSOR.match(tensor_name)
+    return int(m.group(1)) if m else None
+
+
+def parse_depth(value: str | int, n_layers: int, source: str = "--n-cpu-moe") -> int:
+    """`N|all` -> number of leading layers whose experts stay in host RAM."""
+    text = str(value).strip().lower()
+    if text == "all":
+        return n_layers
+    if not re.fullmatch(r"\d+", text):
+        raise UserError(f"{source} value {value!r} is not a layer count; use a whole number 0..{n_layers} or 'all'.")
+    n = int(text)
+    if n > n_layers:
+        raise UserError(f"{source} {n} is larger than the model's {n_layers} layers; use 0..{n_layers} or 'all'.")
+    return n
+
+
+def resolve_depth(flag: str | int | None, n_layers: int, env: Mapping[str, str] | None = None) -> int:
+    """TensorSharp's rule: an explicit flag beats TS_N_CPU_MOE=N|all, which beats TS_CPU_MOE (not "0" = all)."""
+    env = os.environ if env is None else env
+    if flag is not None:
+        return parse_depth(flag, n_layers)
+    if env.get("TS_N_CPU_MOE", "").strip():
+        return parse_depth(env["TS_N_CPU_MOE"], n_layers, "TS_N_CPU_MOE")
+    if env.get("TS_CPU_MOE", "").strip() not in ("", "0"):
+        return n_layers
+    return 0

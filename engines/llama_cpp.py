@@ -1,0 +1,156 @@
+"""llama.cpp through llama-cpp-python's low-level ctypes API.
+
+`Llama(...)` cannot place tensors, so the model is loaded with llama_model_params directly:
+`--n-cpu-moe N` becomes a NULL-terminated tensor_buft_overrides array, one pattern per layer
+0..N-1, all pointing at the CPU buffer type of the already loaded library (DESIGN.md field notes).
+Timing follows llama-bench: clear memory before each repetition, llama_synchronize before return.
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+from importlib import metadata
+from pathlib import Path
+from typing import Sequence
+
+from engines.base import Engine, EngineInfo, EngineSettings, expert_layer
+from engines.gguf_meta import read_meta
+
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+MIB = 2**20
+# "load_tensors:   CPU_Mapped model buffer size =   820.00 MiB", "... KV buffer size", "... compute buffer size"
+_BUFFER = re.compile(r"(\S+)\s+(model|KV|compute|output|RS) buffer size =\s*([\d.]+) MiB")
+_OVERRIDE = re.compile(r"tensor (blk\.\d+\.\S+) \(.*\) buffer type overridden to (\S+)")
+
+
+class _Override(ctypes.Structure):
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def override_patterns(n_cpu_moe: int) -> list[str]:
+    """One regex per offloaded layer (searched, not anchored, so `blk\\.1\\.` must not match blk.10)."""
+    return [rf"blk\.{i}\.ffn_(up|down|gate|gate_up)_(ch|)exps" for i in range(n_cpu_moe)]
+
+
+class LlamaCppEngine(Engine):
+    name = "llama-cpp"
+
+    @classmethod
+    def available(cls) -> str | None:
+        try:
+            import llama_cpp  # noqa: F401
+        except Exception as e:
+            return f"llama-cpp-python is not importable ({e}); install it with `pip install llama-cpp-python`."
+        return None
+
+    @classmethod
+    def version(cls) -> str:
+        try:
+            return metadata.version("llama_cpp_python")
+        except metadata.PackageNotFoundError:
+            return "unknown"
+
+    def load(self, model: Path, s: EngineSettings) -> None:
+        import llama_cpp as L
+
+        self.L, self.s, self.model_path = L, s, model
+        self.meta = read_meta(model)
+        self._log: list[str] = []
+        # keep the callback, patterns and array alive as long as the model (else: segfault)
+        self._log_cb = L.llama_log_callback(lambda level, text, _: self._log.append(text.decode(errors="replace")))
+        L.llama_log_set(self._log_cb, ctypes.c_void_p(0))
+        L.llama_backend_init()
+
+        mp = L.llama_model_default_params()
+        mp.n_gpu_layers = -1
+        mp.load_mode = L.LLAMA_LOAD_MODE_MMAP if s.mmap else L.LLAMA_LOAD_MODE_NONE
+        self._patterns = [p.encode() for p in override_patterns(s.n_cpu_moe)]
+        if self._patterns:
+            cpu = L.llama_cpp._lib.ggml_backend_cpu_buffer_type
+            cpu.restype = ctypes.c_void_p
+            buft = cpu()
+            self._overrides = (_Override * (len(self._patterns) + 1))(
+                *[_Override(p, buft) for p in self._patterns], _Override(None, None))
+            mp.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
+        self.model = L.llama_model_load_from_file(str(model).encode(), mp)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {model}: {self._log_text()[-500:]}")
+
+        cp = L.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch = s.n_ctx, s.n_batch, s.n_ubatch
+        cp.n_threads = cp.n_threads_batch = s.threads      # the C default (4) is 100x slower on 2 cores
+        cp.flash_attn_type = FLASH_ATTN[s.flash_attn]
+        cp.op_offload = bool(s.extra.get("op_offload", True))
+        cp.no_perf = False
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not create a context: {self._log_text()[-500:]}")
+        self.mem = L.llama_get_memory(self.ctx)
+        self.batch = L.llama_batch_init(s.n_batch, 0, 1)
+        self.pos = 0
+
+    def _log_text(self) -> str:
+        return "".join(self._log)
+
+    def reset(self) -> None:
+        self.L.llama_memory_clear(self.mem, True)
+        self.L.llama_perf_context_reset(self.ctx)
+        self.pos = 0
+
+    def _decode(self, tokens: Sequence[int]) -> None:
+        b, n = self.batch, len(tokens)
+        for i, t in enumerate(tokens):
+            b.token[i], b.pos[i], b.n_seq_id[i] = t, self.pos + i, 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = i == n - 1         # only the last token's logits, like llama-bench
+        b.n_tokens = n
+        rc = self.L.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc} at position {self.pos}")
+        self.pos += n
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        for i in range(0, len(tokens), self.s.n_batch):    # llama.cpp splits each batch into ubatches
+            self._decode(tokens[i:i + self.s.n_batch])
+        self.L.llama_synchronize(self.ctx)
+
+    def decode(self, token: int) -> None:
+        self._decode([token])
+        self.L.llama_synchronize(self.ctx)
+
+    def counters(self) -> dict[str, float]:
+        p = self.L.llama_perf_context(self.ctx)
+        return {"engine_ms": p.t_p_eval_ms + p.t_eval_ms, "n_p_eval": p.n_p_eval, "n_eval": p.n_eval}
+
+    def logits(self) -> list[float]:
+        """Logits of the last token of the last call (for correctness checks against other engines)."""
+        ptr = self.L.llama_get_logits_ith(self.ctx, -1)
+        return ptr[: self.meta.n_vocab]
+
+    def info(self) -> EngineInfo:
+        log = self._log_text()
+        by_buffer: dict[str, int] = {}
+        for buft, kind, mib in _BUFFER.findall(log):
+            key = f"{kind.lower()}:{buft}"
+            by_buffer[key] = by_buffer.get(key, 0) + int(float(mib) * MIB)
+        overridden = [name for name, _ in _OVERRIDE.findall(log)]   # as llama.cpp reports it, not as asked
+        host_layers = {expert_layer(n) for n in overridden}
+        s = self.s
+        return EngineInfo(
+            engine=self.name, version=self.version(),
+            settings={"n_cpu_moe": s.n_cpu_moe, "n_ctx": self.L.llama_n_ctx(self.ctx), "n_batch": s.n_batch,
+                      "n_ubatch": s.n_ubatch, "threads": s.threads, "flash_attn": s.flash_attn,
+                      "op_offload": bool(s.extra.get("op_offload", True)), "mmap": s.mmap,
+                      "n_gpu_layers": -1, "system_info": self.L.llama_print_system_info().decode().strip()},
+            bytes_by_device=by_buffer,
+            expert_bytes_host=sum(t.n_bytes for t in self.meta.tensors if t.layer is not None and t.layer in host_layers),
+            expert_bytes_total=self.meta.expert_bytes(),
+            n_overridden_tensors=len(overridden),
+            extra={"overridden_tensors": overridden},
+        )
+
+    def close(self) -> None:
+        L = self.L
+        L.llama_batch_free(self.batch)
+        L.llama_free(self.ctx)
+        L.llama_model_free(self.model)

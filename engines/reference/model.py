@@ -1,0 +1,266 @@
+"""The MoE transformer in one readable file (gpt-fast style): config from GGUF metadata, weights,
+static KV cache, and separate prefill / decode functions.
+
+Semantics follow llama.cpp's graphs (src/models/{qwen3moe,qwen2moe,olmoe,llama}.cpp):
+RMSNorm everywhere, attention scale 1/sqrt(head_dim), router = softmax over all experts then top-k
+(build_moe_ffn with GATING_FUNC_SOFTMAX), SiLU-gated experts. Per architecture:
+
+  arch      rope  q/k norm              qkv bias  renormalize top-k  shared expert
+  qwen3moe  NEOX  per head (head_dim)   no        yes                no
+  qwen2moe  NEOX  -                     yes       no                 sigmoid-gated
+  olmoe     NEOX  full width (q_dim)    no        no                 no
+  llama     NORM  -                     no        yes (Mixtral)      no
+
+The residual stream and every norm/softmax are f32 (as in ggml); matmuls run in the compute dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engines.base import UserError
+from engines.gguf_meta import ModelMeta
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    rope_neox: bool
+    qk_norm: str            # "head" | "full" | "none"
+    qkv_bias: bool
+    norm_topk: bool
+    shared_expert: bool
+
+
+ARCHS: dict[str, ArchSpec] = {
+    "qwen3moe": ArchSpec(rope_neox=True, qk_norm="head", qkv_bias=False, norm_topk=True, shared_expert=False),
+    "qwen2moe": ArchSpec(rope_neox=True, qk_norm="none", qkv_bias=True, norm_topk=False, shared_expert=True),
+    "olmoe": ArchSpec(rope_neox=True, qk_norm="full", qkv_bias=False, norm_topk=False, shared_expert=False),
+    "llama": ArchSpec(rope_neox=False, qk_norm="none", qkv_bias=False, norm_topk=True, shared_expert=False),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    n_layers: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_ff_shexp: int
+    n_vocab: int
+    rope_base: float
+    rms_eps: float
+    expert_weights_scale: float
+    tied_output: bool
+    spec: ArchSpec
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+    @classmethod
+    def from_meta(cls, meta: ModelMeta) -> "ModelConfig":
+        """Validate the metadata; every number is checked before anything is allocated."""
+        if meta.arch not in ARCHS:
+            raise UserError(f"Architecture {meta.arch!r} is not supported by the reference engine; "
+                            f"supported: {', '.join(ARCHS)} (with routed experts).")
+
+        def num(key: str, default=None, kind=int):
+            v = meta.get(key, default)
+            if v is None:
+                raise UserError(f"{meta.path.name}: metadata key {meta.arch}.{key} is missing; the file is not a usable {meta.arch} model.")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v > (1 << 30):
+                raise UserError(f"{meta.path.name}: metadata {meta.arch}.{key} = {v!r} is not a valid positive number.")
+            return kind(v)
+
+        n_embd, n_head = num("embedding_length"), num("attention.head_count")
+        head_dim = num("attention.key_length", n_embd // n_head)
+        if num("attention.value_length", head_dim) != head_dim or num("rope.dimension_count", head_dim) != head_dim:
+            raise UserError(f"{meta.path.name}: key/value lengths and rope dimensions differ; the reference engine needs them equal.")
+        n_expert, n_used = num("expert_count"), num("expert_used_count")
+        if n_used > n_expert or head_dim % 2:
+            raise UserError(f"{meta.path.name}: expert_used_count {n_used} > expert_count {n_expert} or odd head size; the file is corrupt.")
+        names = {t.name for t in meta.tensors}
+        spec = ARCHS[meta.arch]
+        cfg = cls(
+            arch=meta.arch, n_layers=meta.n_layers, n_embd=n_embd, n_head=n_head,
+            n_head_kv=num("attention.head_count_kv", n_head), head_dim=head_dim,
+            n_expert=n_expert, n_expert_used=n_used,
+            n_ff_exp=num("expert_feed_forward_length", meta.get("feed_forward_length")),
+            n_ff_shexp=num("expert_shared_feed_forward_length", meta.get("feed_forward_length")) if spec.shared_expert else 0,
+            n_vocab=meta.n_vocab, rope_base=num("rope.freq_base", 10000.0, float),
+            rms_eps=num("attention.layer_norm_rms_epsilon", kind=float),
+            expert_weights_scale=float(meta.get("expert_weights_scale", 0.0) or 0.0),
+            tied_output="output.weight" not in names, spec=spec)
+        if cfg.n_head % cfg.n_head_kv or cfg.n_vocab <= 0:
+            raise UserError(f"{meta.path.name}: head_count {n_head} is not a multiple of head_count_kv {cfg.n_head_kv} or the vocabulary is empty.")
+        if meta.arch == "olmoe" and not cfg.q_dim == cfg.kv_dim == n_embd:
+            raise UserError(f"{meta.path.name}: olmoe needs head_count_kv == head_count and head_count*key_length == "
+                            "embedding_length (llama.cpp sizes its q/k norms n_embd).")
+        return cfg
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the file must hold, name -> numpy shape (reverse of ggml ne)."""
+    D, q, kv, E = cfg.n_embd, cfg.q_dim, cfg.kv_dim, cfg.n_expert
+    s: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.n_vocab, D), "output_norm.weight": (D,)}
+    if not cfg.tied_output:
+        s["output.weight"] = (cfg.n_vocab, D)
+    for i in range(cfg.n_layers):
+        b = f"blk.{i}."
+        s |= {b + "attn_norm.weight": (D,), b + "attn_q.weight": (q, D), b + "attn_k.weight": (kv, D),
+              b + "attn_v.weight": (kv, D), b + "attn_output.weight": (D, q), b + "ffn_norm.weight": (D,),
+              b + "ffn_gate_inp.weight": (E, D),
+              b + "ffn_gate_exps.weight": (E, cfg.n_ff_exp, D), b + "ffn_up_exps.weight": (E, cfg.n_ff_exp, D),
+              b + "ffn_down_exps.weight": (E, D, cfg.n_ff_exp)}
+        if cfg.spec.qk_norm != "none":
+            qn, kn = (cfg.head_dim, cfg.head_dim) if cfg.spec.qk_norm == "head" else (D, D)   # olmoe: n_embd
+            s |= {b + "attn_q_norm.weight": (qn,), b + "attn_k_norm.weight": (kn,)}
+        if cfg.spec.qkv_bias:
+            s |= {b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)}
+        if cfg.spec.shared_expert:
+            f = cfg.n_ff_shexp
+            s |= {b + "ffn_gate_inp_shexp.weight": (D,), b + "ffn_gate_shexp.weight": (f, D),
+                  b + "ffn_up_shexp.weight": (f, D), b + "ffn_down_shexp.weight": (D, f)}
+    return s
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor                 # (D,) f32
+    wqkv: torch.Tensor                      # (q_dim + 2*kv_dim, D)  q, k, v projections stacked
+    bqkv: torch.Tensor | None               # (q_dim + 2*kv_dim,)    qwen2moe
+    q_norm: torch.Tensor | None             # (head_dim,) qwen3moe | (D,) olmoe, f32
+    k_norm: torch.Tensor | None             # (head_dim,) | (D,), f32
+    wo: torch.Tensor                        # (D, q_dim)
+    ffn_norm: torch.Tensor                  # (D,) f32
+    router: torch.Tensor                    # (E, D) f32: routing decisions as exact as ggml's
+    shexp_gate_inp: torch.Tensor | None     # (D,) f32, qwen2moe: sigmoid gate of the shared expert
+    shexp_gate_up: torch.Tensor | None      # (2*ff_sh, D)
+    shexp_down: torch.Tensor | None         # (D, ff_sh)
+
+
+@dataclass
+class ModelWeights:
+    token_embd: torch.Tensor                # (V, D)
+    output_norm: torch.Tensor               # (D,) f32
+    output: torch.Tensor                    # (V, D), the embedding itself when tied
+    layers: list[LayerWeights]
+
+
+def rope_tables(cfg: ModelConfig, n_ctx: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: (n_ctx, head_dim/2) f32; theta_i = pos * base^(-2i/head_dim) (ggml_rope_ext, no scaling)."""
+    inv = cfg.rope_base ** (-torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    ang = torch.arange(n_ctx, dtype=torch.float64)[:, None] * inv[None, :]
+    return ang.cos().float().to(device), ang.sin().float().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
+    """x: (n, heads, hd) f32; cos/sin: (n, 1, hd/2). NEOX rotates (i, i+hd/2) pairs, NORM (2i, 2i+1)."""
+    if neox:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Transformer:
+    """Weights + static KV cache. `moe(il, h, ids, w)` (engines.reference.offload) runs the experts."""
+
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, moe, n_ctx: int,
+                 device: torch.device, dtype: torch.dtype):
+        self.cfg, self.w, self.moe, self.n_ctx, self.device, self.dtype = cfg, weights, moe, n_ctx, device, dtype
+        kv_shape = (cfg.n_layers, cfg.n_head_kv, n_ctx, cfg.head_dim)
+        self.k_cache = torch.zeros(kv_shape, dtype=dtype, device=device)   # (L, Hkv, n_ctx, hd)
+        self.v_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
+        self.cos, self.sin = rope_tables(cfg, n_ctx, device)
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    def _attention(self, il: int, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """x: (n, D) f32 residual -> attention output (n, D) f32, writing K/V at pos..pos+n-1."""
+        cfg, lw, n = self.cfg, self.w.layers[il], x.shape[0]
+        H, Hkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        h = F.rms_norm(x, (cfg.n_embd,), lw.attn_norm, cfg.rms_eps).to(self.dtype)
+        qkv = F.linear(h, lw.wqkv, lw.bqkv).float()                       # (n, q + 2kv)
+        q, k, v = qkv.split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
+        if cfg.spec.qk_norm == "full":                                     # olmoe: over the whole projection
+            q = F.rms_norm(q, (cfg.q_dim,), lw.q_norm, cfg.rms_eps)
+            k = F.rms_norm(k, (cfg.kv_dim,), lw.k_norm, cfg.rms_eps)
+        q, k, v = q.view(n, H, hd), k.view(n, Hkv, hd), v.view(n, Hkv, hd)
+        if cfg.spec.qk_norm == "head":                                     # qwen3moe: per head
+            q = F.rms_norm(q, (hd,), lw.q_norm, cfg.rms_eps)
+            k = F.rms_norm(k, (hd,), lw.k_norm, cfg.rms_eps)
+        cos, sin = self.cos[pos:pos + n, None, :], self.sin[pos:pos + n, None, :]   # (n, 1, hd/2)
+        q = apply_rope(q, cos, sin, cfg.spec.rope_neox).to(self.dtype)
+        k = apply_rope(k, cos, sin, cfg.spec.rope_neox).to(self.dtype)
+        end = pos + n
+        self.k_cache[il, :, pos:end] = k.transpose(0, 1)                  # (Hkv, n, hd)
+        self.v_cache[il, :, pos:end] = v.to(self.dtype).transpose(0, 1)
+        K, V = self.k_cache[il, :, :end][None], self.v_cache[il, :, :end][None]   # (1, Hkv, end, hd)
+        q = q.transpose(0, 1)[None]                                        # (1, H, n, hd)
+        if n == 1:
+            o = F.scaled_dot_product_attention(q, K, V, enable_gqa=True)
+        elif pos == 0:
+            o = F.scaled_dot_product_attention(q, K, V, is_causal=True, enable_gqa=True)
+        else:   # a later ubatch: query i sits at pos+i and sees keys 0..pos+i
+            mask = torch.ones(n, end, dtype=torch.bool, device=x.device).tril(diagonal=pos)
+            o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, enable_gqa=True)
+        o = o[0].transpose(0, 1).reshape(n, cfg.q_dim)                    # (n, H*hd)
+        return F.linear(o, lw.wo).float()
+
+    def _ffn(self, il: int, x: torch.Tensor) -> torch.Tensor:
+        """x: (n, D) f32 residual -> MoE output (n, D) f32 (plus qwen2moe's gated shared expert)."""
+        cfg, lw = self.cfg, self.w.layers[il]
+        h = F.rms_norm(x, (cfg.n_embd,), lw.ffn_norm, cfg.rms_eps)        # (n, D) f32
+        probs = torch.softmax(F.linear(h, lw.router), dim=-1)             # (n, E)
+        w, ids = probs.topk(cfg.n_expert_used, dim=-1)                    # (n, k)
+        if cfg.spec.norm_topk:
+            w = w / w.sum(dim=-1, keepdim=True)
+        if cfg.expert_weights_scale not in (0.0, 1.0):
+            w = w * cfg.expert_weights_scale
+        hc = h.to(self.dtype)
+        out = self.moe(il, hc, ids, w)                                     # (n, D) f32
+        if cfg.spec.shared_expert:
+            gate = torch.sigmoid(h @ lw.shexp_gate_inp)[:, None]           # (n, 1)
+            a, b = F.linear(hc, lw.shexp_gate_up).chunk(2, dim=-1)        # (n, ff_sh) each
+            out = out + gate * F.linear(F.silu(a) * b, lw.shexp_down).float()
+        return out
+
+    def forward(self, tokens: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
+        """tokens: (n,) at positions pos..pos+n-1 -> logits (n, V) or (1, V) f32."""
+        x = F.embedding(tokens, self.w.token_embd).float()                 # (n, D)
+        self.moe.begin_batch(tokens.shape[0])
+        for il in range(self.cfg.n_layers):
+            x = x + self._attention(il, x, pos)
+            x = x + self._ffn(il, x)
+        if not all_logits:
+            x = x[-1:]
+        x = F.rms_norm(x, (self.cfg.n_embd,), self.w.output_norm, self.cfg.rms_eps).to(self.dtype)
+        return F.linear(x, self.w.output).float()                           # (n|1, V)
+
+
+def prefill(model: Transformer, tokens: torch.Tensor, pos: int, n_ubatch: int, all_logits: bool) -> torch.Tensor:
+    """Process tokens (n,) from pos in n_ubatch chunks; logits of every position or of the last."""
+    outs = []
+    for s in range(0, tokens.shape[0], n_ubatch):
+        chunk = tokens[s:s + n_ubatch]
+        outs.append(model.forward(chunk, pos + s, all_logits))
+    return torch.cat(outs) if all_logits else outs[-1]
+
+
+def decode(model: Transformer, token: torch.Tensor, pos: int) -> torch.Tensor:
+    """One token (1,) at pos -> logits (1, V)."""
+    return model.forward(token, pos, all_logits=True)

@@ -1,0 +1,55 @@
+"""Render tables for people (rich) and machines (md, csv, json). One place for every command's output."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+FORMATS = ("table", "md", "csv", "json")
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return "" if math.isnan(v) else f"{v:,.2f}"
+    return "" if v is None else str(v)
+
+
+def markdown(rows: list[dict]) -> str:
+    if not rows:
+        return "_no rows_\n"
+    cols = list(rows[0])
+    esc = lambda s: _cell(s).replace("|", "\\|").replace("\n", " ")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(esc(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def render(rows: list[dict], fmt: str = "table", title: str = "", out: str | Path | None = None,
+           json_payload=None) -> None:
+    """Print rows in fmt to stdout, or write them to `out`. json_payload replaces rows for json."""
+    if fmt == "json":
+        text = json.dumps(rows if json_payload is None else json_payload, indent=2, default=str) + "\n"
+    elif fmt == "csv":
+        import pandas as pd
+        text = pd.DataFrame(rows).to_csv(index=False)
+    elif fmt == "md":
+        text = (f"### {title}\n\n" if title else "") + markdown(rows)
+    else:
+        from rich.console import Console
+        from rich.table import Table
+        t = Table(title=title or None)
+        for c in (rows[0] if rows else {}):
+            t.add_column(c, overflow="fold")
+        for r in rows:
+            t.add_row(*(_cell(v) for v in r.values()))
+        if out is None:
+            Console(width=max(120, Console().width)).print(t)
+            return
+        with open(out, "w") as f:
+            Console(file=f, width=200).print(t)
+        return
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        Path(out).write_text(text)

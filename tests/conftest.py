@@ -1,0 +1,25 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FAULTS = ",".join(f"{n}=tests.fault_engines:{c}" for n, c in
+                  [("crash", "CrashEngine"), ("hang", "HangEngine"), ("hog", "HogEngine"), ("unavailable", "Unavailable")])
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> Path:
+    """The tiny preset (f32, 4 layers, 8 experts), synthesized once per test session."""
+    from workloads.synth import synthesize
+    return synthesize("tiny", tmp_path_factory.mktemp("models") / "tiny.gguf")
+
+
+def moebench(*args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess (exit codes, stderr messages)."""
+    e = {k: v for k, v in os.environ.items() if k != "FAULT"} | {"MOEBENCH_ENGINES": FAULTS,
+                                                                 "PYTHONPATH": str(ROOT)} | (env or {})
+    return subprocess.run([sys.executable, "-m", "harness", *map(str, args)], capture_output=True, text=True,
+                          env=e, cwd=ROOT, timeout=timeout)

@@ -1,0 +1,73 @@
+"""Engines that misbehave on purpose, loaded as real plugins (MOEBENCH_ENGINES) in real worker
+processes, to exercise the runner's crash, timeout, out-of-memory and resume paths."""
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import time
+
+from engines.base import Engine, EngineInfo
+
+
+class _Base(Engine):
+    @classmethod
+    def available(cls):
+        return None
+
+    def load(self, model, s):
+        self.s = s
+
+    def reset(self):
+        pass
+
+    def prefill(self, tokens):
+        self.fault()
+
+    def decode(self, token):
+        self.fault()
+
+    def info(self):
+        return EngineInfo(self.name, "test", {}, {})
+
+    def fault(self):
+        time.sleep(0.001)
+
+
+class CrashEngine(_Base):
+    """Segfaults in prefill while FAULT=crash is set (so --resume without it succeeds)."""
+    name = "crash"
+
+    def fault(self):
+        if os.environ.get("FAULT") == "crash":
+            ctypes.string_at(0)
+        super().fault()
+
+
+class HangEngine(_Base):
+    """Never returns from prefill while FAULT=hang is set."""
+    name = "hang"
+
+    def fault(self):
+        if os.environ.get("FAULT") == "hang":
+            time.sleep(3600)
+        super().fault()
+
+
+class HogEngine(_Base):
+    """Allocates without bound under a 1 GiB address-space limit: MemoryError -> status oom."""
+    name = "hog"
+
+    def fault(self):
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+        hoard = []
+        while True:
+            hoard.append(bytearray(64 << 20))
+
+
+class Unavailable(_Base):
+    name = "unavailable"
+
+    @classmethod
+    def available(cls):
+        return "its runtime is not installed on this machine (install it to use this engine)."

@@ -1,0 +1,79 @@
+"""The CLI through a subprocess: exit codes, one-sentence errors, output formats."""
+import json
+
+import pytest
+
+from tests.conftest import moebench
+
+
+def one_sentence_error(r, *needles):
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    for n in needles:
+        assert n in line, line
+    return line
+
+
+@pytest.fixture(scope="module")
+def not_moe(tmp_path_factory):
+    import gguf
+    import numpy as np
+    p = tmp_path_factory.mktemp("dense") / "dense.gguf"
+    w = gguf.GGUFWriter(p, "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return p
+
+
+def test_bad_inputs_exit_2_with_one_sentence(tiny, tmp_path, not_moe):
+    sweep = lambda *a, **kw: moebench("sweep", "-w", "pp8", "-r", "1", "--results-dir", tmp_path, *a, **kw)
+    one_sentence_error(sweep("-m", tmp_path / "nope.gguf", "-e", "llama-cpp"), "does not exist", "nope.gguf")
+    (tmp_path / "notes.txt").write_text("not a model")
+    one_sentence_error(sweep("-m", tmp_path / "notes.txt", "-e", "llama-cpp"), "not a GGUF file")
+    one_sentence_error(sweep("-m", not_moe, "-e", "llama-cpp"), "not a Mixture-of-Experts")
+    one_sentence_error(sweep("-m", tiny, "-e", "llama-cpp", "--n-cpu-moe", "-1"), "not a layer count")
+    one_sentence_error(sweep("-m", tiny, "-e", "llama-cpp", "--n-cpu-moe", "two"), "not a layer count")
+    one_sentence_error(sweep("-m", tiny, "-e", "llama-cpp", "--n-cpu-moe", "0,9"), "model's 4 layers")
+    one_sentence_error(sweep("-m", tiny, "-e", "vllm"), "Unknown engine 'vllm'", "llama-cpp", "reference")
+    one_sentence_error(moebench("sweep", "-m", tiny, "-e", "llama-cpp", "-w", "pp8,bogus"), "Unknown workload 'bogus'")
+    one_sentence_error(sweep("-m", tiny, "-e", "unavailable"), "not available here", "not installed")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    one_sentence_error(moebench("sweep", "-m", tiny, "-e", "llama-cpp", "-w", "pp8", "--results-dir", blocker / "sub"),
+                       "Cannot write results", "--results-dir")
+    one_sentence_error(moebench("sweep", "--resume", tmp_path), "not a moebench run directory")
+    one_sentence_error(moebench("model", "synth", "--preset", "huge", "-o", tmp_path / "x.gguf"), "Unknown preset")
+    assert not list(tmp_path.glob("*/cells.csv"))    # nothing ran
+
+
+def test_engines_lists_availability():
+    r = moebench("engines")
+    assert r.returncode == 0
+    line = next(l for l in r.stdout.splitlines() if "unavailable" in l)
+    assert "no" in line
+    assert any("llama-cpp" in l and "yes" in l for l in r.stdout.splitlines())
+
+
+@pytest.mark.parametrize("fmt", ["md", "csv", "json"])
+def test_output_formats(tiny, tmp_path, fmt):
+    out = tmp_path / f"out.{fmt}"
+    r = moebench("sweep", "-m", tiny, "-e", "llama-cpp", "--n-cpu-moe", "0,all", "-w", "pp16,tg4", "-r", "2",
+                 "--threads", "2", "--results-dir", tmp_path, "--format", fmt, "-o", out)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    if fmt == "json":   # llama-bench field names, one record per cell x workload
+        recs = json.loads(text)
+        assert len(recs) == 4
+        for rec in recs:
+            for k in ("n_prompt", "n_gen", "n_depth", "n_cpu_moe", "n_ubatch", "n_threads", "avg_ts", "stddev_ts",
+                      "samples_ns", "samples_ts", "avg_ns", "model_filename"):
+                assert k in rec
+            assert len(rec["samples_ns"]) == 2 and rec["avg_ts"] > 0 and rec["n_threads"] == 2
+        assert sorted((r["n_cpu_moe"], r["n_prompt"], r["n_gen"]) for r in recs) == [(0, 0, 4), (0, 16, 0), (4, 0, 4), (4, 16, 0)]
+    elif fmt == "csv":
+        lines = text.strip().splitlines()
+        assert lines[0].startswith("engine,model,n_cpu_moe,workload,status") and len(lines) == 5
+    else:
+        assert text.count("| llama-cpp |") == 4 and "tok/s median" in text

@@ -1,0 +1,74 @@
+"""Crash, timeout, out-of-memory, resume and Ctrl-C paths, through the real CLI and real worker processes."""
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+
+from tests.conftest import FAULTS, ROOT, moebench
+
+
+def run_dir_of(result) -> str:
+    return result.stderr.strip().splitlines()[-1].removeprefix("results: ")
+
+
+def test_failures_become_rows_and_the_sweep_goes_on(tiny, tmp_path):
+    r = moebench("sweep", "-m", tiny, "-e", "crash,hang,hog,llama-cpp", "-w", "pp16", "-r", "1", "--threads", "2",
+                 "--timeout", "3", "--results-dir", tmp_path, "--strict", env={"FAULT": "crash"})
+    assert r.returncode == 1, r.stderr          # --strict: failed cells -> exit 1
+    cells = pd.read_csv(f"{run_dir_of(r)}/cells.csv").set_index("engine")
+    assert cells.loc["crash", "status"] == "failed" and "SIGSEGV" in cells.loc["crash", "error"]
+    assert cells.loc["hang", "status"] == "ok"                 # FAULT=crash only: hang behaves
+    assert cells.loc["hog", "status"] == "oom" and "MemoryError" in cells.loc["hog", "error"]
+    assert cells.loc["llama-cpp", "status"] == "ok"
+    meas = pd.read_csv(f"{run_dir_of(r)}/measurements.csv")
+    assert set(meas["engine"]) == {"hang", "llama-cpp"}
+
+
+def test_timeout_then_resume_runs_only_unfinished_cells(tiny, tmp_path):
+    r = moebench("sweep", "-m", tiny, "-e", "llama-cpp,hang", "--n-cpu-moe", "0,2", "-w", "pp16", "-r", "1",
+                 "--threads", "2", "--timeout", "2", "--results-dir", tmp_path, env={"FAULT": "hang"})
+    assert r.returncode == 0, r.stderr
+    run = run_dir_of(r)
+    cells = pd.read_csv(f"{run}/cells.csv")
+    assert sorted(zip(cells["engine"], cells["status"])) == [("hang", "timeout")] * 2 + [("llama-cpp", "ok")] * 2
+    ok_before = cells[cells["status"] == "ok"][["cell_id", "load_s"]]
+    r2 = moebench("sweep", "--resume", run)                     # FAULT unset: the hang engine now works
+    assert r2.returncode == 0, r2.stderr
+    cells2 = pd.read_csv(f"{run}/cells.csv")
+    assert len(cells2) == 4 and (cells2["status"] == "ok").all() and cells2["cell_id"].is_unique
+    kept = cells2.merge(ok_before, on="cell_id", suffixes=("", "_before"))
+    assert len(kept) == 2 and (kept["load_s"] == kept["load_s_before"]).all()   # not run again
+    meas = pd.read_csv(f"{run}/measurements.csv")
+    assert len(meas) == 4 and meas.groupby("cell_id").size().eq(1).all()
+
+
+def test_ctrl_c_keeps_finished_cells(tiny, tmp_path):
+    env = {"MOEBENCH_ENGINES": FAULTS, "PYTHONPATH": str(ROOT), "FAULT": "hang"}
+    p = subprocess.Popen([sys.executable, "-m", "harness", "sweep", "-m", str(tiny), "-e", "llama-cpp,hang",
+                          "-w", "pp16", "-r", "1", "--threads", "2", "--results-dir", str(tmp_path)],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not list(tmp_path.glob("*/cells.csv")):
+        time.sleep(0.1)
+    time.sleep(0.5)                              # the hang cell is running now
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 130, err
+    assert "interrupted" in err and "--resume" in err
+    run = next(tmp_path.iterdir())
+    cells = pd.read_csv(run / "cells.csv")
+    assert cells["engine"].tolist() == ["llama-cpp"] and cells["status"].tolist() == ["ok"]
+    # the interrupted child is gone: no process still holds this run's cell log open
+    import psutil
+    holders = [q.pid for q in psutil.process_iter() if _holds(q, str(run))]
+    assert holders == []
+
+
+def _holds(proc, prefix: str) -> bool:
+    import psutil
+    try:
+        return any(f.path.startswith(prefix) for f in proc.open_files())
+    except psutil.Error:
+        return False

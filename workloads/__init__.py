@@ -1,0 +1,1 @@
+"""Workload grammar, token streams and synthetic GGUF models."""
