@@ -2,7 +2,7 @@
 VENV  ?= .venv
 PY    := $(VENV)/bin/python
 # torch first and pinned: this version's CPU build lies on local disk here; a looser requirement
-# would pull a multi-GB CUDA build. GPU users: make setup TORCH="torch --index-url <CUDA wheel index>"
+# would pull a multi-GB CUDA build. GPU users: make setup TORCH=torch (see README).
 TORCH ?= torch==2.13.0
 NPROC := $(shell nproc 2>/dev/null || echo 2)
 

@@ -27,7 +27,38 @@ FORMAT = click.option("--format", "fmt", type=click.Choice(["table", "md", "csv"
 OUTPUT = click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the output to FILE.")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# Commands that live in their own modules, imported only when used (keeps `moebench --help` fast).
+LAZY_COMMANDS = {
+    "report": "harness.report:report",
+    "published": "harness.published:published",
+    "reproduce": "harness.published:reproduce",
+    "plan": "harness.plan:plan",
+    "recommend": "harness.recommend:recommend",
+    "probe": "harness.probe:probe",
+    "compare": "harness.compare:compare",
+    "history": "harness.history:history",
+    "tools": "harness.tools:tools",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return sorted([*super().list_commands(ctx), *filter(self._present, LAZY_COMMANDS)])
+
+    @staticmethod
+    def _present(name: str) -> bool:
+        import importlib.util
+        return importlib.util.find_spec(LAZY_COMMANDS[name].split(":")[0]) is not None
+
+    def get_command(self, ctx, name):
+        if name in LAZY_COMMANDS and self._present(name):
+            import importlib
+            module, attr = LAZY_COMMANDS[name].split(":")
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="moebench")
 def cli() -> None:
     """Benchmark MoE expert offload (--n-cpu-moe) across engines at matched depths."""
