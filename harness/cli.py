@@ -116,10 +116,11 @@ def show_run(run_dir: Path, fmt: str = "table", output: str | None = None) -> No
 
     run, cells, meas, _ = results.load_frames(run_dir)
     summary = results.summarize(cells, meas)
+    many_models = summary["model_name"].nunique() > 1
     rows = []
     for _, r in summary.iterrows():
-        rows.append({"engine": r["engine"], "model": r["model_name"], "n_cpu_moe": r["n_cpu_moe"],
-                     "workload": r["workload"], "status": r["status"],
+        rows.append({"engine": r["engine"], **({"model": r["model_name"]} if many_models else {}),
+                     "n_cpu_moe": r["n_cpu_moe"], "workload": r["workload"], "status": r["status"],
                      "tok/s median": r["tps_median"], "± std": r["tps_std"], "cv %": 100 * r["tps_cv"],
                      "n": r["tps_n"], "peak RAM MiB": r["peak_rss_mib"], "peak VRAM MiB": r["peak_vram_mib"]})
         if r["tps_cv"] > results.CV_WARN:

@@ -74,6 +74,6 @@ def test_output_formats(tiny, tmp_path, fmt):
         assert sorted((r["n_cpu_moe"], r["n_prompt"], r["n_gen"]) for r in recs) == [(0, 0, 4), (0, 16, 0), (4, 0, 4), (4, 16, 0)]
     elif fmt == "csv":
         lines = text.strip().splitlines()
-        assert lines[0].startswith("engine,model,n_cpu_moe,workload,status") and len(lines) == 5
+        assert lines[0].startswith("engine,n_cpu_moe,workload,status,tok/s median") and len(lines) == 5
     else:
         assert text.count("| llama-cpp |") == 4 and "tok/s median" in text

@@ -1,0 +1,131 @@
+"""`moebench tools`: helpers that fetch or build the external binaries the external engines drive.
+
+`build-llama-bench` builds llama-bench from the source distribution of the *installed*
+llama-cpp-python, so the llama-bench engine and the llama-cpp engine run the same llama.cpp commit
+(the sdist vendors it under vendor/llama.cpp). The result lands in
+<cache>/llama-bench/<llama-cpp-python version>/bin/llama-bench, where engines.llama_bench finds it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import click
+
+from engines.base import UserError
+from harness.cli import user_errors
+
+
+def llama_cpp_python_version() -> str:
+    from importlib import metadata
+    try:
+        return metadata.version("llama_cpp_python")
+    except metadata.PackageNotFoundError:
+        raise UserError("llama-cpp-python is not installed, so there is no llama.cpp commit to match; "
+                        "install it (`pip install llama-cpp-python`) or pass --version.") from None
+
+
+def llama_bench_dir(version: str) -> Path:
+    from workloads.synth import cache_dir
+    return cache_dir() / "llama-bench" / version
+
+
+def cuda_present() -> bool:
+    """nvcc to build with and an NVIDIA GPU to run on (a CUDA build on a GPU-less host is useless)."""
+    if not shutil.which("nvcc"):
+        return False
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetCount() > 0
+    except Exception:
+        return False
+
+
+def _run(cmd: list[str], log, cwd: Path | None = None) -> None:
+    # GIT_DIR: the sdist has no .git; without this, a cache dir inside some other git checkout would
+    # stamp that checkout's commit into llama-bench's build_commit
+    click.echo("$ " + " ".join(cmd), err=True)
+    log.write(("$ " + " ".join(cmd) + "\n").encode())
+    log.flush()
+    r = subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                       env=os.environ | {"GIT_DIR": os.devnull})
+    if r.returncode:
+        log.flush()
+        tail = Path(log.name).read_bytes()[-1500:].decode(errors="replace")
+        raise UserError(f"`{' '.join(cmd[:3])} ...` failed with exit code {r.returncode}; see {log.name} "
+                        f"(tail: ...{tail.strip()[-600:]})")
+
+
+def _vendor_commit(src: Path, version: str) -> str:
+    """The llama.cpp commit the sdist vendors. The sdist has no .git (so llama-bench itself reports
+    build_commit "unknown"); llama-cpp-python's CHANGELOG names it under the release heading."""
+    try:
+        text = (src / "CHANGELOG.md").read_text(errors="replace")
+    except OSError:
+        return ""
+    section = text.split(f"## [{version}]", 1)[-1].split("\n## [", 1)[0] if f"## [{version}]" in text else ""
+    m = re.search(r"llama\.cpp@([0-9a-f]{7,40})", section)
+    return m.group(1) if m else ""
+
+
+@click.group()
+def tools() -> None:
+    """Build or locate the external binaries the external engines drive."""
+
+
+@tools.command("build-llama-bench")
+@click.option("--version", "version", default=None,
+              help="llama-cpp-python version whose vendored llama.cpp to build (default: the installed one).")
+@click.option("--cuda/--no-cuda", default=None, help="Build with CUDA (default: when nvcc and an NVIDIA GPU are present).")
+@click.option("-j", "--jobs", type=int, default=None, help="Parallel build jobs (default: all cores).")
+@click.option("--force", is_flag=True, help="Rebuild even if the cache already holds this version.")
+@user_errors
+def build_llama_bench(version, cuda, jobs, force) -> None:
+    """Build llama-bench from llama-cpp-python's source distribution into the cache directory."""
+    version = version or llama_cpp_python_version()
+    dest = llama_bench_dir(version)
+    binary = dest / "bin" / "llama-bench"
+    if binary.is_file() and not force:
+        click.echo(f"already built: {binary} (--force rebuilds)")
+        return
+    cuda = cuda_present() if cuda is None else cuda
+    if not shutil.which("cmake"):
+        raise UserError("cmake is not on PATH; install it (e.g. `apt-get install cmake` or `pip install cmake`) and retry.")
+    dest.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="llama-bench-", dir=dest.parent))
+    with open(dest / "build.log", "wb") as log:
+        # pip reuses its cache, so a second build downloads nothing
+        _run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={version}", "--no-deps",
+              "--no-binary", ":all:", "-d", str(work)], log)
+        sdist = next(work.glob("llama_cpp_python-*.tar.gz"), None) or next(work.glob("*.tar.gz"), None)
+        if sdist is None:
+            raise UserError(f"pip did not download a source distribution of llama-cpp-python=={version}; "
+                            f"check the version and that PyPI is reachable.")
+        with tarfile.open(sdist) as tf:
+            tf.extractall(work, filter="data")
+        src = next(p for p in work.iterdir() if p.is_dir() and (p / "vendor" / "llama.cpp").is_dir())
+        llama = src / "vendor" / "llama.cpp"
+        build = work / "build"
+        _run(["cmake", "-S", str(llama), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TOOLS=ON",
+              "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF",
+              "-DBUILD_SHARED_LIBS=OFF", f"-DGGML_CUDA={'ON' if cuda else 'OFF'}"]
+             + (["-G", "Ninja"] if shutil.which("ninja") else []), log)
+        _run(["cmake", "--build", str(build), "--target", "llama-bench", "-j", str(jobs or os.cpu_count() or 1)], log)
+        built = next(build.rglob("bin/llama-bench"))
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(built, binary)
+    # what we built from; engines.llama_bench reads it for the version, since the binary says "unknown"
+    commit = _vendor_commit(src, version)
+    (dest / "build.json").write_text(json.dumps({
+        "llama_cpp_python": version, "cuda": cuda, "sdist": sdist.name, "llama_cpp_commit": commit}, indent=2))
+    shutil.rmtree(work, ignore_errors=True)
+    click.echo(f"built {binary} (llama-cpp-python {version}, llama.cpp {commit or 'commit unknown'}, "
+               f"cuda={'on' if cuda else 'off'})")

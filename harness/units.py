@@ -1,0 +1,31 @@
+"""Memory sizes as people type them: 16GiB, 16GB, 512MiB, 1.5G (binary), or plain bytes."""
+from __future__ import annotations
+
+import re
+
+from engines.base import UserError
+
+GiB, MiB = 2**30, 2**20
+# GB/MB are decimal (what GPU vendors print), GiB/MiB and bare G/M binary (what `free -g` prints)
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": MiB, "mb": 10**6, "mib": MiB,
+          "g": GiB, "gb": 10**9, "gib": GiB, "t": 2**40, "tb": 10**12, "tib": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+
+
+def parse_size(text: str | int | float, option: str = "size") -> int:
+    """'16GiB' -> 17179869184 bytes; raise UserError naming the option on anything else."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = _SIZE.fullmatch(str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise UserError(f"{option} {text!r} is not a size; write it like 16GiB, 16GB, 512MiB or a number of bytes.")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def gib(n: float) -> float:
+    return n / GiB
+
+
+def mib(n: float) -> float:
+    return n / MiB

@@ -1,0 +1,235 @@
+"""The reference engine against llama.cpp (same synthesized files), across depths, paths and file types."""
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engines.base import EngineSettings, UserError
+from engines.reference.engine import ReferenceEngine
+from workloads.synth import PRESETS, _metadata, synthesize, tensor_shapes
+
+# llama.cpp keeps its KV cache in f16, so its f32-file logits differ from ours by ~2e-3 (logits are
+# O(4) here); 2e-2 is ten times that and still far below the gap between the top two tokens.
+LOGIT_ATOL = 2e-2
+TINY = PRESETS["tiny"]       # qwen3moe, 4 layers, n_embd 128, 8 experts top-2, f32
+ARCH_PRESETS = {
+    "qwen3moe": TINY,
+    "qwen2moe": replace(TINY, arch="qwen2moe", n_ff_shexp=96),
+    "olmoe": replace(TINY, arch="olmoe", n_head_kv=TINY.n_head),   # llama.cpp: no GQA for olmoe
+    "llama": replace(TINY, arch="llama", rope_base=10000.0),       # Mixtral-style llama with experts
+}
+PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, TINY.n_vocab, 40)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("ref_models")
+    return {arch: synthesize(p, d / f"{arch}.gguf") for arch, p in ARCH_PRESETS.items()}
+
+
+def run_ref(path: Path, depth: int, tokens=PROMPT, **extra) -> tuple[np.ndarray, ReferenceEngine]:
+    e = ReferenceEngine()
+    extra.setdefault("logits_all", True)
+    e.load(path, EngineSettings(n_cpu_moe=depth, n_ctx=256, n_ubatch=16, threads=2, dtype=extra.pop("dtype", "auto"),
+                                extra=extra))
+    e.prefill(tokens)
+    return e.logits().numpy(), e
+
+
+def llama_cpp_logits(path: Path, tokens) -> np.ndarray:
+    import llama_cpp
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, logits_all=True, verbose=False)
+    llm.eval(tokens)
+    out = np.array(llm.scores[:len(tokens)], dtype=np.float32)
+    llm.close()
+    return out
+
+
+@pytest.mark.parametrize("arch", list(ARCH_PRESETS))
+def test_logits_match_llama_cpp_at_depth_0_and_all(models, arch):
+    """Every position's logits within LOGIT_ATOL of llama.cpp's and the same top-1, at depth 0 and all.
+    n_ubatch 16 < 40 tokens, so later ubatches exercise the KV cache and the offset causal mask."""
+    ref = llama_cpp_logits(models[arch], PROMPT)
+    for depth in (0, TINY.n_layers):
+        got, e = run_ref(models[arch], depth)
+        assert got.shape == ref.shape == (len(PROMPT), TINY.n_vocab)
+        err = np.abs(got - ref).max()
+        assert err < LOGIT_ATOL, f"{arch} depth {depth}: max |logit diff| {err}"
+        assert (got.argmax(-1) == ref.argmax(-1)).all()
+        assert e.info().expert_host_fraction == depth / TINY.n_layers
+
+
+def greedy(path: Path, depth: int, n: int = 32) -> list[int]:
+    e = ReferenceEngine()
+    e.load(path, EngineSettings(n_cpu_moe=depth, n_ctx=128, n_ubatch=16, threads=2))
+    e.prefill(PROMPT[:8])
+    out = [int(e.logits()[-1].argmax())]
+    for _ in range(n - 1):
+        e.decode(out[-1])
+        out.append(int(e.logits()[-1].argmax()))
+    return out
+
+
+def test_greedy_continuation_identical_at_depths_0_half_all(models):
+    seqs = {d: greedy(models["qwen3moe"], d) for d in (0, TINY.n_layers // 2, TINY.n_layers)}
+    assert len(seqs[0]) == 32 and len(set(seqs[0])) > 1          # a real continuation, not one token
+    assert seqs[0] == seqs[2] == seqs[4]
+
+
+def test_decode_matches_prefill_logits(models):
+    """Decoding token by token gives the logits that prefilling the same tokens does (KV cache, RoPE)."""
+    full, _ = run_ref(models["qwen2moe"], 0, PROMPT[:12])
+    e = ReferenceEngine()
+    e.load(models["qwen2moe"], EngineSettings(n_ctx=64, threads=2))
+    e.prefill(PROMPT[:4])
+    for i, t in enumerate(PROMPT[4:12]):
+        e.decode(t)
+        np.testing.assert_allclose(e.logits()[0].numpy(), full[4 + i], atol=1e-4)
+
+
+def test_host_and_stream_paths_give_the_same_output(models):
+    host, eh = run_ref(models["qwen3moe"], TINY.n_layers, moe_path="host")
+    stream, es = run_ref(models["qwen3moe"], TINY.n_layers, moe_path="stream")
+    ch, cs = eh.counters(), es.counters()
+    assert ch["moe_calls_host"] == 3 * TINY.n_layers and ch["moe_calls_stream"] == 0   # 3 ubatches x 4 layers
+    assert cs["moe_calls_stream"] == 3 * TINY.n_layers and cs["moe_calls_host"] == 0
+    # only the routed experts travel: at most n_expert per layer and ubatch, bytes match the expert size
+    assert 0 < cs["streamed_experts"] <= 3 * TINY.n_layers * TINY.n_expert
+    assert cs["streamed_bytes"] == cs["streamed_experts"] * 3 * TINY.n_ff_exp * TINY.n_embd * 4
+    np.testing.assert_allclose(stream, host, atol=1e-5)
+    assert es.info().bytes_by_device["accelerator"] - eh.info().bytes_by_device["accelerator"] == \
+        TINY.n_expert * 3 * TINY.n_ff_exp * TINY.n_embd * 4          # one staging buffer = one layer's experts
+
+
+def test_auto_path_switches_at_stream_min_batch(models):
+    _, e = run_ref(models["qwen3moe"], 2, moe_stream_min_batch=16)   # ubatches 16, 16, 8
+    c = e.counters()
+    assert (c["moe_calls_stream"], c["moe_calls_host"], c["moe_calls_resident"]) == (4, 2, 6)
+
+
+def test_info_reports_placement_and_bytes(models):
+    _, e = run_ref(models["qwen3moe"], 1)
+    info = e.info()
+    layer_experts = 3 * TINY.n_expert * TINY.n_ff_exp * TINY.n_embd * 4
+    assert info.engine == "reference" and info.settings["n_cpu_moe"] == 1 and info.settings["dtype"] == "f32"
+    assert info.expert_bytes_host == layer_experts and info.expert_bytes_total == 4 * layer_experts
+    assert info.n_overridden_tensors == 3
+    assert info.bytes_by_device["host"] == layer_experts
+    held, stored = info.extra["held_bytes"], info.extra["file_bytes"]
+    assert held["experts"] == stored["experts"] == {"host": layer_experts, "accelerator": 3 * layer_experts}
+    assert held["non_experts"]["accelerator"] == stored["non_experts"]["accelerator"]   # f32 file, f32 compute
+    kv = 2 * TINY.n_layers * TINY.n_head_kv * 256 * TINY.head_dim * 4
+    assert held["kv_cache"] == {"accelerator": kv}
+
+
+def test_depth_from_environment(models, monkeypatch):
+    monkeypatch.setenv("TS_N_CPU_MOE", "3")
+    e = ReferenceEngine()
+    e.load(models["qwen3moe"], EngineSettings(n_cpu_moe=0, n_ctx=32, extra={"depth_from_env": True}))
+    assert e.info().settings["n_cpu_moe"] == 3
+    monkeypatch.setenv("TS_N_CPU_MOE", "")
+    monkeypatch.setenv("TS_CPU_MOE", "1")
+    e.load(models["qwen3moe"], EngineSettings(n_cpu_moe=0, n_ctx=32, extra={"depth_from_env": True}))
+    assert e.info().expert_host_fraction == 1.0
+
+
+def test_bf16_compute_stays_close_to_f32(models):
+    f32, _ = run_ref(models["qwen3moe"], 0)
+    bf16, e = run_ref(models["qwen3moe"], 0, dtype="bf16")
+    assert e.info().extra["compute_dtype"] == "bf16"
+    assert np.abs(bf16 - f32).max() < 0.15 and (bf16.argmax(-1) == f32.argmax(-1)).mean() >= 0.9
+
+
+# --- quantized files ---------------------------------------------------------------------------------
+
+def write_gguf(path: Path, p, arrays: dict[str, np.ndarray], quant: dict[str, tuple[np.ndarray, object]]) -> Path:
+    """A GGUF with p's metadata: float arrays as F32, `quant` entries as raw (bytes, type) tensors."""
+    import gguf
+    w = gguf.GGUFWriter(path, p.arch)
+    _metadata(w, p, "ref-test")
+    for name, shape in tensor_shapes(p).items():
+        if name in quant:
+            data, qt = quant[name]
+            w.add_tensor(name, data, raw_dtype=qt)      # uint8 blocks: gguf derives the shape
+        else:
+            w.add_tensor(name, arrays[name])
+    finish(w)
+    return path
+
+
+def finish(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def random_q4_k(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Valid Q4_K blocks (144 bytes per 256 values): random nibbles and 6-bit scales, finite f16 d/dmin."""
+    n_blocks = int(np.prod(shape)) // 256
+    blocks = rng.integers(0, 256, (n_blocks, 144), dtype=np.uint8)
+    blocks[:, 0:2] = np.full((n_blocks, 1), 2e-4, np.float16).view(np.uint8)   # d
+    blocks[:, 2:4] = np.full((n_blocks, 1), 4e-4, np.float16).view(np.uint8)   # dmin
+    return blocks.reshape(*shape[:-1], shape[-1] // 256 * 144)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_quantized_experts_dequantize_like_gguf_and_run(tmp_path, qtype):
+    """Expert tensors stored quantized load as gguf.quants.dequantize says, and the model then gives the
+    same logits as an F32 file holding exactly those dequantized values."""
+    import gguf
+    qt = gguf.GGMLQuantizationType[qtype]
+    p = replace(TINY, n_embd=256, n_head=4, head_dim=64, n_ff_exp=256, n_layers=2)   # K-quant rows of 256
+    rng = np.random.default_rng(3)
+    arrays = {n: (rng.standard_normal(s) * (s[-1] ** -0.5 if len(s) > 1 else 0.05) + (len(s) == 1)).astype(np.float32)
+              for n, s in tensor_shapes(p).items()}
+    quant = {n: (random_q4_k(s, rng) if qtype == "Q4_K" else gguf.quants.quantize(arrays[n], qt), qt)
+             for n, s in tensor_shapes(p).items() if "_exps" in n}
+    qpath = write_gguf(tmp_path / "q.gguf", p, arrays, quant)
+    deq = {n: gguf.quants.dequantize(b, qt) for n, (b, _) in quant.items()}
+    fpath = write_gguf(tmp_path / "f.gguf", p, arrays | deq, {})
+
+    from engines.gguf_meta import read_meta
+    from engines.reference.gguf_io import GGUFTensors
+    src = GGUFTensors(read_meta(qpath))
+    for n, ref in deq.items():
+        assert src.entries[n].ggml_type == qtype
+        np.testing.assert_array_equal(src.load(n, torch.float32).numpy(), ref)
+    tokens = PROMPT[:20]
+    q_logits, e = run_ref(qpath, 1, tokens, dtype="f32")
+    f_logits, _ = run_ref(fpath, 1, tokens, dtype="f32")
+    assert np.isfinite(q_logits).all()
+    np.testing.assert_allclose(q_logits, f_logits, atol=1e-4)
+    info = e.info().extra
+    assert info["file_bytes"]["experts"]["host"] < info["held_bytes"]["experts"]["host"]   # dequantized to f32
+
+
+# --- bad input -----------------------------------------------------------------------------------------
+
+def test_unsupported_architecture_is_a_user_error(tmp_path):
+    import gguf
+    p = replace(TINY, n_layers=1)
+    w = gguf.GGUFWriter(tmp_path / "x.gguf", "phimoe")      # an MoE file of an architecture we do not run
+    _metadata(w, p, "x")
+    for name, shape in tensor_shapes(p).items():
+        w.add_tensor(name, np.zeros(shape, np.float32))
+    finish(w)
+    with pytest.raises(UserError, match="qwen3moe, qwen2moe, olmoe, llama"):
+        ReferenceEngine().load(tmp_path / "x.gguf", EngineSettings(n_ctx=32))
+
+
+def test_shape_mismatch_and_bad_settings_are_user_errors(tmp_path, models):
+    arrays = {n: np.zeros(s, np.float32) for n, s in tensor_shapes(replace(TINY, n_ff_exp=32)).items()}
+    bad = write_gguf(tmp_path / "bad.gguf", TINY, arrays, {})      # metadata says ff 64, tensors hold 32
+    with pytest.raises(UserError, match="ffn_gate_exps.weight.*shape"):
+        ReferenceEngine().load(bad, EngineSettings(n_ctx=32))
+    with pytest.raises(UserError, match="larger than the model's 4 layers"):
+        ReferenceEngine().load(models["qwen3moe"], EngineSettings(n_cpu_moe=5, n_ctx=32))
+    with pytest.raises(UserError, match="moe_path"):
+        ReferenceEngine().load(models["qwen3moe"], EngineSettings(n_ctx=32, extra={"moe_path": "gpu"}))
+    e = ReferenceEngine()
+    e.load(models["qwen3moe"], EngineSettings(n_ctx=8))
+    with pytest.raises(UserError, match="context"):
+        e.prefill(list(range(9)))
