@@ -25,6 +25,11 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", str(text)).strip("-.")[:60] or "x"
 
 
+def _depth_ticks(ax, depths) -> None:
+    """Depths are layer counts: tick exactly the depths that were run."""
+    ax.set_xticks(sorted({int(d) for d in depths}))
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -56,6 +61,7 @@ def throughput(summary, out: Path, stem: str) -> list[Path]:
         vals = summary.loc[summary["workload"] == wl, "tps_median"].dropna()
         if len(vals) and vals.min() > 0 and vals.max() / vals.min() > 20:
             ax.set_yscale("log")       # offloaded cells can be 100x slower than resident ones
+        _depth_ticks(ax, summary["n_cpu_moe"])
         ax.set(xlabel="n_cpu_moe (layers with experts in RAM)", ylabel="tokens/s (median, bars: min-max)",
                title=f"{wl}: throughput vs offload depth")
         ax.grid(alpha=0.3)
@@ -73,13 +79,18 @@ def speedup(summary, baseline: str, out: Path, stem: str) -> list[Path]:
     if base.empty or not others:
         return []
     fig, ax = plt.subplots(figsize=(6.4, 4))
+    seen: list[float] = []
     for engine in others:
         for wl, g in ok[ok["engine"] == engine].groupby("workload", sort=False):
             g = g.sort_values("n_cpu_moe")
             keys = list(zip(g["n_cpu_moe"], g["workload"]))
             ratio = [m / base[k] if k in base.index and base[k] else math.nan for m, k in zip(g["tps_median"], keys)]
             ax.plot(g["n_cpu_moe"], ratio, marker="o", label=f"{engine} {wl}")
+            seen += [r for r in ratio if r > 0]
     ax.axhline(1.0, color="gray", lw=1, ls="--")
+    if seen and max(seen) / min(seen) > 20:
+        ax.set_yscale("log")
+    _depth_ticks(ax, summary["n_cpu_moe"])
     ax.set(xlabel="n_cpu_moe", ylabel=f"speedup over {baseline} (median tok/s ratio)",
            title=f"Speedup over {baseline} vs offload depth")
     ax.grid(alpha=0.3)
@@ -100,6 +111,7 @@ def memory(summary, out: Path, stem: str) -> list[Path]:
             g = g.sort_values("n_cpu_moe").dropna(subset=[col])
             if not g.empty:
                 ax.plot(g["n_cpu_moe"], g[col], marker="o", label=engine)
+        _depth_ticks(ax, summary["n_cpu_moe"])
         ax.set(xlabel="n_cpu_moe", ylabel=name, title=f"{name} per cell")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -137,13 +149,14 @@ def timeline(samples, cell_id: str, title: str, out: Path, name: str) -> list[Pa
             kind = _phase_kind(phase[start])
             ax.axvspan(times[start], end, color=COLORS[kind], alpha=0.18, lw=0)
             if kind != "other":
-                ax.text((times[start] + end) / 2, 1.01, phase[start], transform=ax.get_xaxis_transform(),
-                        ha="center", va="bottom", fontsize=7, rotation=30)
+                ax.text((times[start] + end) / 2, 0.97, phase[start], transform=ax.get_xaxis_transform(),
+                        ha="center", va="top", fontsize=7, rotation=90)
             start = i
     handles = [plt.Rectangle((0, 0), 1, 1, color=c, alpha=0.3) for c in COLORS.values()]
     ax.legend(ax.get_legend_handles_labels()[0] + handles,
-              ax.get_legend_handles_labels()[1] + [f"phase: {k}" for k in COLORS], fontsize=7, loc="upper left")
+              ax.get_legend_handles_labels()[1] + [f"phase: {k}" for k in COLORS], fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.01, 1))
     ax.set(xlabel="seconds since the cell's process started", ylabel="MiB")
-    ax.set_title(title, pad=24)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     return [_save(fig, out / f"{name}.png")]

@@ -90,7 +90,7 @@ def display(rows: list[dict]) -> list[dict]:
         if isinstance(v, float) and math.isnan(v):
             return ""
         if col.endswith(("ratio", "printed")):
-            return f"{v:.2f}x"
+            return f"{v:.2f}x" if abs(v) >= 0.1 else f"{v:.2g}x"
         if col == "n_cpu_moe" or isinstance(v, int):
             return str(v)
         return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
@@ -166,6 +166,8 @@ def against_rows(df, a: str, b: str, measured: Getter, n_layers: int, measured_w
                 note = f"depth {d} > the measured model's {n_layers} layers"
             elif metric != "vram" and metric not in measured_workloads:
                 note = f"{metric} not run (ran {', '.join(measured_workloads) or 'nothing'})"
+            elif ma == mb == "not run":
+                note = "depth not in this run"
             elif metric == "vram" and unit != "MiB":
                 note = f"published VRAM is in {unit}, measured in MiB"
             out.append({"n_cpu_moe": d, "metric": label, f"published {A}": r[f"{A} {label}"],

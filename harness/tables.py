@@ -37,12 +37,13 @@ def render(rows: list[dict], fmt: str = "table", title: str = "", out: str | Pat
         text = (f"### {title}\n\n" if title else "") + markdown(rows)
     else:
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
         t = Table(title=title or None)
         for c in (rows[0] if rows else {}):
             t.add_column(c, overflow="fold")
         for r in rows:
-            t.add_row(*(_cell(v) for v in r.values()))
+            t.add_row(*(escape(_cell(v)) for v in r.values()))    # GGUF strings are not rich markup
         if out is None:
             Console(width=max(120, Console().width)).print(t)
             return

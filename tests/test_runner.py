@@ -57,7 +57,7 @@ def test_ctrl_c_keeps_finished_cells(tiny, tmp_path):
     out, err = p.communicate(timeout=30)
     assert p.returncode == 130, err
     assert "interrupted" in err and "--resume" in err
-    run = next(tmp_path.iterdir())
+    run = next(d for d in tmp_path.iterdir() if d.is_dir())
     cells = pd.read_csv(run / "cells.csv")
     assert cells["engine"].tolist() == ["llama-cpp"] and cells["status"].tolist() == ["ok"]
     # the interrupted child is gone: no process still holds this run's cell log open
