@@ -57,6 +57,29 @@ def _tail(path: Path) -> str:
         return ""
 
 
+def cell_row(cell: Cell, run_id: str, status: str, error: str, loaded: dict | None = None, wall_s: float = NAN,
+             peak: tuple[float, float] = (NAN, NAN)) -> dict:
+    """The cells.csv row of a cell; `loaded` is the worker's "loaded" record (empty when it never loaded)."""
+    loaded = loaded or {}
+    info = loaded.get("info", {})
+    s, meta = cell.settings, cell.meta
+    rss, vram = peak
+    return {
+        "run_id": run_id, "cell_id": cell.cell_id, "engine": cell.engine, "engine_version": loaded.get("version", ""),
+        "model": str(cell.model), "model_name": meta.name, "model_fingerprint": meta.fingerprint, "arch": meta.arch,
+        "n_layers": meta.n_layers, "n_moe_layers": len(meta.moe_layers), "depth": cell.depth, "n_cpu_moe": s.n_cpu_moe,
+        "expert_host_fraction": info.get("expert_host_fraction", meta.expert_bytes(s.n_cpu_moe) / meta.expert_bytes()),
+        "expert_bytes_host": info.get("expert_bytes_host", meta.expert_bytes(s.n_cpu_moe)),
+        "expert_bytes_total": info.get("expert_bytes_total", meta.expert_bytes()),
+        "n_overridden_tensors": info.get("n_overridden_tensors"), "n_ctx": s.n_ctx, "n_batch": s.n_batch,
+        "n_ubatch": s.n_ubatch, "threads": s.threads, "flash_attn": s.flash_attn, "device": s.device,
+        "dtype": s.dtype, "mmap": s.mmap, "extra": s.extra, "effective_settings": info.get("settings", {}),
+        "bytes_by_device": info.get("bytes_by_device", {}), "status": status, "error": error,
+        "load_s": loaded.get("load_s", NAN), "wall_s": wall_s, "peak_rss_mib": rss, "peak_vram_mib": vram,
+        "host": os.uname().nodename,
+    }
+
+
 def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str) -> tuple[dict, list[dict], list[dict]]:
     """Run one cell in its own process; returns (cell row, measurement rows, sample rows)."""
     log = run_dir / "logs" / (cell.cell_id.replace("/", "_") + ".log")
@@ -110,7 +133,6 @@ def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str) -> tuple[d
 
     kinds = {m["type"]: m for m in msgs}
     loaded = kinds.get("loaded", {})
-    info = loaded.get("info", {})
     if "done" in kinds:
         status, error = "ok", ""
     elif timed_out:
@@ -126,22 +148,8 @@ def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str) -> tuple[d
     if status != "ok":
         error = f"{error} | log tail: {_tail(log)[-600:]}" if _tail(log) else error
 
+    row = cell_row(cell, run_id, status, error, loaded, wall_s, peaks(samples) if samples else (NAN, NAN))
     s, meta = cell.settings, cell.meta
-    rss, vram = peaks(samples) if samples else (NAN, NAN)
-    cell_row = {
-        "run_id": run_id, "cell_id": cell.cell_id, "engine": cell.engine, "engine_version": loaded.get("version", ""),
-        "model": str(cell.model), "model_name": meta.name, "model_fingerprint": meta.fingerprint, "arch": meta.arch,
-        "n_layers": meta.n_layers, "n_moe_layers": len(meta.moe_layers), "depth": cell.depth, "n_cpu_moe": s.n_cpu_moe,
-        "expert_host_fraction": info.get("expert_host_fraction", meta.expert_bytes(s.n_cpu_moe) / meta.expert_bytes()),
-        "expert_bytes_host": info.get("expert_bytes_host", meta.expert_bytes(s.n_cpu_moe)),
-        "expert_bytes_total": info.get("expert_bytes_total", meta.expert_bytes()),
-        "n_overridden_tensors": info.get("n_overridden_tensors"), "n_ctx": s.n_ctx, "n_batch": s.n_batch,
-        "n_ubatch": s.n_ubatch, "threads": s.threads, "flash_attn": s.flash_attn, "device": s.device,
-        "dtype": s.dtype, "mmap": s.mmap, "extra": s.extra, "effective_settings": info.get("settings", {}),
-        "bytes_by_device": info.get("bytes_by_device", {}), "status": status, "error": error,
-        "load_s": loaded.get("load_s", NAN), "wall_s": wall_s, "peak_rss_mib": rss, "peak_vram_mib": vram,
-        "host": os.uname().nodename,
-    }
     phase_peaks: dict[str, tuple[float, float]] = {}
     rows = []
     for m in (m for m in msgs if m["type"] == "rep"):
@@ -156,12 +164,21 @@ def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str) -> tuple[d
                      "n_ctx": s.n_ctx, "n_batch": s.n_batch, "n_ubatch": s.n_ubatch, "threads": s.threads,
                      "flash_attn": s.flash_attn, "peak_rss_mib": phase_peaks[wl][0], "peak_vram_mib": phase_peaks[wl][1]})
     sample_rows = [{"run_id": run_id, "cell_id": cell.cell_id, **x} for x in samples]
-    return cell_row, rows, sample_rows
+    return row, rows, sample_rows
 
 
 def _workloads(spec: SweepSpec):
     from workloads.grammar import parse_workloads
     return parse_workloads(",".join(spec.workloads))
+
+
+def _hardware_profile() -> dict | None:
+    """The stored `moebench probe` profile (a ~1 s quick one is measured and stored if none exists)."""
+    from harness.probe import stored_or_quick
+    try:
+        return stored_or_quick()
+    except Exception as e:          # the roofline is optional; a sweep never fails for it
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def _drop_unfinished(run_dir: Path) -> set[str]:
@@ -186,17 +203,26 @@ def run_sweep(spec: SweepSpec, results_dir: Path, resume: Path | None = None,
             raise UserError(f"{str(resume)!r} is not a moebench run directory (no run.json); pass results/<run_id>.")
         spec = SweepSpec.from_dict(json.loads((resume / "run.json").read_text())["spec"])
     cells = expand(spec)
+    cluster = None
+    if spec.ray or spec.per_node:                # connect first: a missing Ray or cluster leaves no run directory
+        from harness.ray_runner import Cluster
+        cluster = Cluster.connect(spec)
     run_dir = resume or new_run_dir(results_dir, spec)
     prepare_run_dir(run_dir)
     done = _drop_unfinished(run_dir) if resume else set()
     if not resume:
         run = {"schema_version": results.SCHEMA_VERSION, "run_id": run_dir.name, "spec": spec.to_dict(),
                "started": datetime.now(timezone.utc).isoformat(), "host": hardware.fingerprint(),
-               "argv": sys.argv}
+               "argv": sys.argv, "hardware_profile": _hardware_profile()}
         (run_dir / "run.json").write_text(json.dumps(run, indent=2, default=str))
     todo = [c for c in cells if c.cell_id not in done]
     if on_start:
         on_start(run_dir)
+    from harness.history import index_run    # every finished run is indexed into <results-dir>/history.sqlite
+    if cluster:
+        cluster.run(spec, cells, run_dir, done, on_cell)
+        index_run(run_dir)
+        return run_dir
     for i, cell in enumerate(todo):
         row, meas, samples = run_cell(cell, spec, run_dir, run_dir.name)
         results.append_rows(run_dir, "measurements.csv", meas)
@@ -204,4 +230,5 @@ def run_sweep(spec: SweepSpec, results_dir: Path, resume: Path | None = None,
         results.append_rows(run_dir, "cells.csv", [row])    # last: a cell row means the cell is complete
         if on_cell:
             on_cell(cell, row, i + 1, len(todo))
+    index_run(run_dir)
     return run_dir

@@ -28,7 +28,7 @@ def test_failures_become_rows_and_the_sweep_goes_on(tiny, tmp_path):
 
 def test_timeout_then_resume_runs_only_unfinished_cells(tiny, tmp_path):
     r = moebench("sweep", "-m", tiny, "-e", "llama-cpp,hang", "--n-cpu-moe", "0,2", "-w", "pp16", "-r", "1",
-                 "--threads", "2", "--timeout", "2", "--results-dir", tmp_path, env={"FAULT": "hang"})
+                 "--threads", "2", "--timeout", "8", "--results-dir", tmp_path, env={"FAULT": "hang"})
     assert r.returncode == 0, r.stderr
     run = run_dir_of(r)
     cells = pd.read_csv(f"{run}/cells.csv")

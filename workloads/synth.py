@@ -143,7 +143,7 @@ def synthesize(preset: str | Preset, out: str | Path, seed: int = 0, dtype: str 
         elif qt == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, a)
         else:
-            w.add_tensor(name, gguf.quants.quantize(a, qt), raw_shape=a.shape, raw_dtype=qt)
+            w.add_tensor(name, gguf.quants.quantize(a, qt), raw_dtype=qt)   # uint8 data: shape from bytes
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,0 +1,107 @@
+"""Memory plan: hand-computed bytes, and agreement with what llama.cpp and the reference engine report."""
+import json
+import re
+
+import pytest
+
+from engines.base import EngineSettings
+from engines.gguf_meta import read_meta
+from harness.plan import PlanSettings, find_runs, make_plan
+from harness.results import read_csv
+from tests.conftest import moebench
+
+# tiny preset: 4 layers, n_embd 128, 4 heads / 2 kv heads x 32, 8 experts (top-2) x ff 64, vocab 1024, f32
+EXPERTS_PER_LAYER = 3 * 8 * 64 * 128 * 4                       # gate, up, down
+NON_EXPERT = 4 * (4 * (128 + 128 * 128 + 64 * 128 * 2 + 128 * 128 + 128 + 8 * 128 + 32 + 32)
+                  + 2 * 1024 * 128 + 128)                       # 4 layers + embedding, output, output norm
+
+
+def test_plan_arithmetic_on_tiny_by_hand(tiny):
+    meta = read_meta(tiny)
+    p = make_plan(meta, PlanSettings(engine="llama-cpp", n_ctx=300))
+    assert p.n_kv_cells == 512                                  # llama.cpp pads the cache to 256 cells
+    assert len(p.depths) == 5
+    for d in p.depths:
+        n = d.n_cpu_moe
+        assert d.non_expert_bytes == NON_EXPERT
+        assert d.expert_host_bytes == n * EXPERTS_PER_LAYER
+        assert d.expert_accel_bytes == (4 - n) * EXPERTS_PER_LAYER
+        assert d.kv_bytes == 512 * 4 * 2 * (32 + 32) * 2        # cells x layers x kv heads x (K+V) x f16
+        assert d.accel_bytes == NON_EXPERT + (4 - n) * EXPERTS_PER_LAYER + d.kv_bytes + d.compute_bytes
+    # the reference engine: f32 file -> f32 compute and KV, no padding, one staging layer on the CPU
+    r = make_plan(meta, PlanSettings(engine="reference", n_ctx=300, device="cpu"))
+    assert r.at(0).kv_bytes == 2 * 4 * 2 * 300 * 32 * 4
+    assert r.at(0).staging_bytes == 0 and r.at(3).staging_bytes == EXPERTS_PER_LAYER
+    assert r.at(4).host_bytes == 4 * EXPERTS_PER_LAYER and r.at(4).expert_accel_bytes == 0
+
+
+@pytest.fixture(scope="module")
+def mib_model(tmp_path_factory):
+    """f16, expert tensors of exactly 2 MiB each, so llama.cpp's per-tensor MiB log lines are exact."""
+    from workloads.synth import Preset, synthesize
+    return synthesize(Preset("qwen3moe", 4, 256, 4, 2, 64, 8, 2, 512, 1024, dtype="f16"),
+                      tmp_path_factory.mktemp("m") / "mib.gguf")
+
+
+@pytest.mark.parametrize("depth", [0, 2, 4])
+@pytest.mark.parametrize("mmap", [True, False])
+def test_plan_matches_llama_cpp_buffers(mib_model, depth, mmap):
+    """CPU-only llama.cpp keeps every buffer in CPU memory, so the device split is checked through what it
+    logs: the tensors it moved to the host buffer type (names and sizes), its model, KV and compute buffers."""
+    from engines.llama_cpp import LlamaCppEngine
+
+    e = LlamaCppEngine()
+    e.load(mib_model, EngineSettings(n_cpu_moe=depth, n_ctx=300, threads=2, mmap=mmap))
+    info, log = e.info(), e._log_text()
+    e.close()
+    meta = read_meta(mib_model)
+    d = make_plan(meta, PlanSettings(engine="llama-cpp", n_ctx=300)).at(depth)
+    moved = re.findall(r"tensor (blk\.\d+\.\S+) \(([\d.]+) MiB \S+\) buffer type overridden", log)
+    assert {n for n, _ in moved} == {t.name for t in meta.tensors if t.layer is not None and t.layer < depth}
+    assert sum(float(m) for _, m in moved) * 2**20 == pytest.approx(d.expert_host_bytes, rel=0.02)
+    by = info.bytes_by_device
+    model = sum(v for k, v in by.items() if k.startswith("model:"))
+    assert model == pytest.approx(d.non_expert_bytes + d.expert_accel_bytes + d.expert_host_bytes, rel=0.02)
+    assert model - d.expert_host_bytes == pytest.approx(d.non_expert_bytes + d.expert_accel_bytes, rel=0.02)
+    assert by["kv:CPU"] == pytest.approx(d.kv_bytes, rel=0.02)
+    assert by["compute:CPU"] == pytest.approx(d.compute_bytes, rel=0.10)     # an estimate: within 10%
+
+
+@pytest.mark.parametrize("depth", [0, 2, 4])
+def test_plan_matches_reference_engine_info(tiny, depth):
+    from engines.reference.engine import ReferenceEngine
+
+    e = ReferenceEngine()
+    e.load(tiny, EngineSettings(n_cpu_moe=depth, n_ctx=300, threads=2, device="cpu"))
+    held = e.info().extra["held_bytes"]
+    e.close()
+    d = make_plan(read_meta(tiny), PlanSettings(engine="reference", n_ctx=300, device="cpu")).at(depth)
+    assert held["experts"].get("host", 0) == pytest.approx(d.expert_host_bytes, rel=0.02)
+    assert held["experts"].get("accelerator", 0) == pytest.approx(d.expert_accel_bytes, rel=0.02)
+    assert held["non_experts"]["accelerator"] == pytest.approx(d.non_expert_bytes, rel=0.02)
+    assert held["kv_cache"]["accelerator"] == pytest.approx(d.kv_bytes, rel=0.02)
+    assert held["staging"]["accelerator"] == d.staging_bytes
+
+
+def test_plan_calibrates_from_a_real_sweep(tiny, tmp_path):
+    r = moebench("sweep", "-m", tiny, "-e", "llama-cpp", "--n-cpu-moe", "0,all", "-w", "pp16,tg4", "-r", "2",
+                 "--threads", "2", "--results-dir", tmp_path, env={"MOEBENCH_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    runs = find_runs(tmp_path)
+    assert len(runs) == 1
+    meta = read_meta(tiny)
+    p = make_plan(meta, PlanSettings(engine="llama-cpp", n_ctx=16), runs)
+    assert p.calibration is not None and p.calibration.n_cells == 2
+    assert p.calibration.compute_scale == pytest.approx(1.0, rel=0.05)   # llama.cpp's own compute buffer
+    for c in read_csv(runs[0], "cells.csv"):   # calibrated: the plan's total is never below a measured peak (CPU-only: RSS)
+        d = p.at(int(c["n_cpu_moe"]))
+        assert d.accel_bytes + d.host_bytes >= float(c["peak_rss_mib"]) * 2**20 - 2**20
+    out = moebench("plan", "-m", tiny, "--ctx", "16", "--results-dir", tmp_path)
+    assert out.returncode == 0 and "calibrated from 2 measured cell(s)" in out.stderr
+    js = json.loads(moebench("plan", "-m", tiny, "--ctx", "16", "--no-calibrate", "--format", "json").stdout)
+    assert js["calibration"] is None and [d["host_bytes"] for d in js["depths"]] == [n * EXPERTS_PER_LAYER for n in range(5)]
+
+
+def test_plan_bad_input_is_one_sentence(tiny):
+    r = moebench("plan", "-m", tiny, "--ctx", "0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--ctx" in r.stderr

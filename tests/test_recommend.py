@@ -1,0 +1,134 @@
+"""recommend on constructed result sets (exact numbers), size parsing, and the CLI."""
+import json
+import math
+
+import pytest
+
+from engines.base import UserError
+from engines.gguf_meta import read_meta
+from harness.plan import PlanSettings, make_plan
+from harness.recommend import recommend_depth
+from harness.results import append_rows
+from harness.units import parse_size
+from tests.conftest import moebench
+
+GiB = 2**30
+
+
+def make_run(run_dir, meta, cells: dict, profile=None):
+    """cells: depth -> (status, {workload: [tok/s per rep]}); llama-cpp, n_ctx 256, no memory peaks."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"run_id": run_dir.name, "hardware_profile": profile}))
+    for n, (status, wls) in cells.items():
+        cid = f"llama-cpp/{meta.fingerprint}/ncmoe{n}"
+        append_rows(run_dir, "cells.csv", [{
+            "run_id": run_dir.name, "cell_id": cid, "engine": "llama-cpp", "model": str(meta.path),
+            "model_name": meta.name, "model_fingerprint": meta.fingerprint, "n_cpu_moe": n, "n_ctx": 256,
+            "n_batch": 2048, "n_ubatch": 512, "threads": 2, "flash_attn": "auto", "status": status,
+            "error": "" if status == "ok" else "killed", "effective_settings": {}, "bytes_by_device": {}}])
+        append_rows(run_dir, "measurements.csv", [
+            {"run_id": run_dir.name, "cell_id": cid, "engine": "llama-cpp", "n_cpu_moe": n, "workload": wl,
+             "n_prompt": int(wl[2:]) if wl.startswith("pp") else 0, "n_gen": int(wl[2:]) if wl.startswith("tg") else 0,
+             "n_depth": 0, "rep": i, "ns": 1, "tokens_per_s": v} for wl, vs in wls.items() for i, v in enumerate(vs)])
+    return run_dir
+
+
+@pytest.fixture(autouse=True)
+def no_stored_profile(tmp_path, monkeypatch):
+    """Without a profile in the runs, recommend falls back to this machine's stored one: keep it out."""
+    monkeypatch.setenv("MOEBENCH_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def meta(tiny):
+    return read_meta(tiny)
+
+
+def rec(meta, runs=(), vram=GiB, objective="decode", margin=0):
+    p = make_plan(meta, PlanSettings(engine="llama-cpp", n_ctx=256), list(runs))
+    return p, recommend_depth(p, objective, vram, 64 * GiB, margin, list(runs))
+
+
+def test_nothing_measured_gives_the_smallest_feasible_depth(meta):
+    p, _ = rec(meta)
+    p, r = rec(meta, vram=p.at(2).accel_bytes + 1000, margin=1000)     # depth 2 fits exactly, 0 and 1 do not
+    assert r.recommended == 2
+    assert [x.fits for x in r.rows] == [False, False, True, True, True]
+    assert "smallest depth that fits" in r.rationale
+
+
+def test_best_measured_feasible_depth_and_predicted_ranges(meta, tmp_path):
+    run = make_run(tmp_path / "r", meta, {0: ("ok", {"tg8": [100, 98, 102], "pp64": [500, 500]}),
+                                          2: ("ok", {"tg8": [60], "pp64": [900]}),
+                                          4: ("ok", {"tg8": [30], "pp64": [400]})})
+    _, r = rec(meta, [run])
+    assert r.recommended == 0 and r.rows[0].measured["decode"] == pytest.approx(100)
+    assert r.rows[1].status == "predicted" and r.rows[1].predicted["decode"] == pytest.approx((60, 100))
+    assert r.rows[3].predicted["decode"] == pytest.approx((30, 60))
+    _, r = rec(meta, [run], objective="prefill")
+    assert r.recommended == 2 and "prefill 900.0 tok/s" in r.rationale
+    _, r = rec(meta, [run], objective="balanced")      # geomean of normalized decode and prefill scores
+    assert r.recommended == 2 and r.rows[2].score == pytest.approx(math.sqrt(0.6 * 1.0))
+
+
+def test_ties_go_to_the_deepest_depth(meta, tmp_path):
+    run = make_run(tmp_path / "r", meta, {0: ("ok", {"tg8": [100]}), 2: ("ok", {"tg8": [100]}),
+                                          4: ("ok", {"tg8": [50]})})
+    _, r = rec(meta, [run])
+    assert r.recommended == 2 and "ties" in r.rationale
+
+
+def test_a_failed_cell_is_shown_and_never_recommended(meta, tmp_path):
+    run = make_run(tmp_path / "r", meta, {0: ("oom", {}), 2: ("ok", {"tg8": [60]}), 4: ("ok", {"tg8": [30]})})
+    _, r = rec(meta, [run])
+    assert r.recommended == 2 and r.rows[0].status == "failed: oom" and not r.rows[0].measured
+
+
+def test_predictions_are_capped_by_the_roofline(meta, tmp_path):
+    # CPU-only profile: decode bound = 0.1 GB/s / bytes per token ~ 47 tok/s at every depth
+    prof = {"threads": 2, "cores_physical": 2, "figures": {"host_read_gbps": {"median": 0.1}}}
+    run = make_run(tmp_path / "r", meta, {0: ("ok", {"tg8": [50]}), 2: ("ok", {"tg8": [40]})}, prof)
+    _, r = rec(meta, [run])
+    cap = r.rows[1].bound["decode"]
+    assert 40 < cap < 50 and r.rows[1].predicted["decode"] == pytest.approx((40, cap))
+
+
+def test_no_feasible_depth_names_the_smallest_vram(meta, tmp_path):
+    p, r = rec(meta, vram=1000, margin=GiB)
+    assert r.recommended is None and r.smallest_vram == p.at(4).accel_bytes + GiB
+    assert "smallest VRAM" in r.rationale
+    out = moebench("recommend", "-m", meta.path, "--vram", "1KiB", "--ram", "64GiB", "--ctx", "256", "--format", "json")
+    assert out.returncode == 0, out.stderr
+    js = json.loads(out.stdout)
+    assert js["recommended"] is None and js["smallest_vram_bytes"] == p.at(4).accel_bytes + GiB
+
+
+def test_cli_table_and_json_with_results(meta, tmp_path):
+    run = make_run(tmp_path / "r", meta, {0: ("ok", {"tg8": [100]}), 4: ("ok", {"tg8": [30]})})
+    out = moebench("recommend", "-m", meta.path, "--vram", "16GiB", "--ram", "64GB", "--ctx", "256",
+                   "--objective", "decode", "--results", run, "--format", "json")
+    js = json.loads(out.stdout)
+    assert js["recommended"] == 0 and js["vram_bytes"] == 16 * GiB and js["ram_bytes"] == 64 * 10**9
+    assert js["depths"][0]["measured_tps"]["decode"] == pytest.approx(100)
+    t = moebench("recommend", "-m", meta.path, "--vram", "16GiB", "--ram", "64GiB", "--ctx", "256", "--results", run)
+    assert t.returncode == 0 and "n_cpu_moe=0 is the fastest" in t.stdout
+    bad = moebench("recommend", "-m", meta.path, "--vram", "lots")
+    assert bad.returncode == 2 and "--vram" in bad.stderr and "Traceback" not in bad.stderr
+    other = moebench("recommend", "-m", meta.path, "--vram", "16GiB", "--results", run, "--engine", "reference")
+    assert other.returncode == 2 and "no reference cells" in other.stderr
+
+
+def test_vram_defaults_to_the_gpu_or_asks_for_it(meta):
+    from harness.hardware import gpus
+    r = moebench("recommend", "-m", meta.path, "--ctx", "256")
+    if gpus():
+        assert r.returncode == 0 and "free on GPU 0" in r.stdout
+    else:
+        assert r.returncode == 2 and "--vram" in r.stderr
+
+
+def test_parse_size():
+    assert parse_size("16GiB") == 16 * GiB and parse_size("16GB") == 16 * 10**9
+    assert parse_size("512MiB") == 512 * 2**20 and parse_size("1.5G") == int(1.5 * GiB) and parse_size("4096") == 4096
+    with pytest.raises(UserError, match="--vram"):
+        parse_size("16 parsecs", "--vram")

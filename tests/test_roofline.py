@@ -1,0 +1,75 @@
+"""Roofline bounds, computed by hand for the tiny preset (see harness/roofline.py for the formulas)."""
+import math
+
+import pytest
+
+from engines.gguf_meta import read_meta
+from harness.roofline import CellShape, bound
+
+EXPERTS = 4 * 3 * 8 * 64 * 128 * 4          # tiny: routed-expert bytes (f32), 4 layers
+W_READ = 1857024 - 1024 * 128 * 4           # non-expert bytes minus the embedding table (a row lookup)
+KV_CELL = 4 * 2 * (32 + 32) * 2             # llama.cpp f16 K+V of one cell over 4 layers
+FLOPS_PER_TOKEN = 2 * (4 * (128 * 128 * 2 + 64 * 128 * 2 + 8 * 128) + 4 * 3 * 8 * 64 * 128 * 2 / 8)
+
+
+def profile(**figs):
+    return {"threads": 2, "cores_physical": 2, "figures": {k: {"median": v} for k, v in figs.items()}}
+
+
+@pytest.fixture(scope="module")
+def meta(tiny):
+    return read_meta(tiny)
+
+
+def test_decode_cpu_only_reads_everything_from_host_ram(meta):
+    p = profile(host_read_gbps=10.0)
+    for n in (0, 2, 4):        # without a GPU the depth moves no bytes off the memory bus
+        b, kind = bound(meta, CellShape("llama-cpp", n, threads=2), 0, 1, 0, p)
+        assert kind == "mem"
+        assert b == pytest.approx(10e9 / (EXPERTS / 4 + W_READ + KV_CELL * 0.5))
+
+
+def test_decode_with_gpu_splits_host_and_device_reads(meta):
+    p = profile(host_read_gbps=10.0, gpu_mem_gbps=1000.0)
+    b0, k0 = bound(meta, CellShape("llama-cpp", 0, gpu=True), 0, 1, 0, p)
+    b2, k2 = bound(meta, CellShape("llama-cpp", 2, gpu=True), 0, 1, 0, p)
+    assert b0 == pytest.approx(1e12 / (EXPERTS / 4 + W_READ + KV_CELL * 0.5)) and k0 == "accel-mem"
+    t = (EXPERTS / 2 / 4) / 10e9 + (EXPERTS / 2 / 4 + W_READ + KV_CELL * 0.5) / 1e12
+    assert b2 == pytest.approx(1 / t) and k2 == "host-mem" and b2 < b0
+
+
+def test_prefill_compute_bound_and_stream_bound(meta):
+    cpu = profile(cpu_matmul_fp32_gflops=100.0)
+    b, kind = bound(meta, CellShape("llama-cpp", 4, threads=2), 512, 0, 0, cpu)
+    f = FLOPS_PER_TOKEN + 4 * 4 * 4 * 32 * 256
+    assert kind == "compute" and b == pytest.approx(100e9 / f)
+    # CPU figures scale with the cell's threads against the profile's
+    assert bound(meta, CellShape("llama-cpp", 4, threads=1), 512, 0, 0, cpu)[0] == pytest.approx(b / 2)
+    # GPU: each ubatch of 512 copies (nearly) all experts of the offloaded layers over pageable memory
+    slow_bus = profile(gpu_matmul_bf16_gflops=1e6, h2d_pageable_gbps=1.0, cpu_matmul_fp32_gflops=100.0)
+    b, kind = bound(meta, CellShape("llama-cpp", 4, n_ubatch=512, gpu=True), 512, 0, 0, slow_bus)
+    crossing = EXPERTS * (1 - (1 - 2 / 8) ** 512)
+    assert kind == "h2d" and b == pytest.approx(512 / (crossing / 1e9))
+    b0, kind0 = bound(meta, CellShape("llama-cpp", 0, n_ubatch=512, gpu=True), 512, 0, 0, slow_bus)
+    assert kind0 == "compute" and b0 == pytest.approx(1e15 / f)         # nothing offloaded: nothing crosses
+
+
+def test_no_profile_gives_nan_not_a_guess(meta):
+    b, kind = bound(meta, CellShape("llama-cpp", 0), 0, 1, 0, None)
+    assert math.isnan(b) and kind == ""
+
+
+def test_annotate_real_sweep(tiny, tmp_path):
+    from harness import results
+    from harness.roofline import annotate
+    from tests.conftest import moebench
+
+    r = moebench("sweep", "-m", tiny, "-e", "llama-cpp", "--n-cpu-moe", "0,2", "-w", "pp16,tg4", "-r", "1",
+                 "--threads", "2", "--results-dir", tmp_path, env={"MOEBENCH_CACHE": str(tmp_path / "c")})
+    assert r.returncode == 0, r.stderr
+    run, cells, meas, _ = results.load_frames(next(tmp_path.glob("2*")))
+    assert run["hardware_profile"]["figures"]["host_read_gbps"]["median"] > 0   # quick probe, stored
+    a = annotate(cells, results.summarize(cells, meas), run["hardware_profile"])
+    assert len(a) == 4 and (a["bound_tps"] > 0).all()
+    assert set(a["bound_kind"]) == {"mem", "compute"}
+    assert (a["fraction"] == a["tps_median"] / a["bound_tps"]).all()
