@@ -87,6 +87,13 @@ class Engine(ABC):
     @abstractmethod
     def info(self) -> EngineInfo: ...
 
+    def measure(self, workload, repetitions: int, warmup: int, seed: int) -> list[int] | None:
+        """Optional, for external engines that time themselves (a benchmark binary that reports
+        per-repetition samples): run `workload` (a workloads.grammar.Workload) and return the
+        duration in ns of each timed repetition. None (the default) = the worker times
+        reset/prefill/decode itself, which is the rule for every in-process engine."""
+        return None
+
     def counters(self) -> dict[str, float]:
         """Engine-internal timing of the work since the last reset(), as a cross-check (optional)."""
         return {}

@@ -9,6 +9,8 @@ from engines.base import Engine, UserError
 ENGINES: dict[str, str] = {
     "reference": "engines.reference.engine:ReferenceEngine",
     "llama-cpp": "engines.llama_cpp:LlamaCppEngine",
+    "llama-bench": "engines.llama_bench:LlamaBenchEngine",
+    "tensorsharp": "engines.tensorsharp:TensorSharpEngine",
 }
 
 

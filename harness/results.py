@@ -21,7 +21,7 @@ CELL_COLUMNS = [
     "n_layers", "n_moe_layers", "depth", "n_cpu_moe", "expert_host_fraction", "expert_bytes_host",
     "expert_bytes_total", "n_overridden_tensors", "n_ctx", "n_batch", "n_ubatch", "threads", "flash_attn",
     "device", "dtype", "mmap", "extra", "effective_settings", "bytes_by_device", "status", "error",
-    "load_s", "wall_s", "peak_rss_mib", "peak_vram_mib", "host",
+    "load_s", "wall_s", "peak_rss_mib", "peak_vram_mib", "host", "node",
 ]
 MEASUREMENT_COLUMNS = [
     "run_id", "cell_id", "engine", "model_name", "model_fingerprint", "n_cpu_moe", "workload", "n_prompt",

@@ -34,6 +34,8 @@ class SweepSpec:
     sample_ms: float = 50                   # 0 turns the memory sampler off
     seed: int = 0
     extra: dict = field(default_factory=dict)   # engine-specific knobs, e.g. cpu_moe_threads
+    ray: str | None = None                  # Ray address (auto | ray://host:port): cells run on the cluster
+    per_node: bool = False                  # with ray: every node runs every cell
 
     def to_dict(self) -> dict:
         return asdict(self)

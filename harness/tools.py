@@ -39,14 +39,8 @@ def llama_bench_dir(version: str) -> Path:
 
 def cuda_present() -> bool:
     """nvcc to build with and an NVIDIA GPU to run on (a CUDA build on a GPU-less host is useless)."""
-    if not shutil.which("nvcc"):
-        return False
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        return pynvml.nvmlDeviceGetCount() > 0
-    except Exception:
-        return False
+    from harness.hardware import gpus
+    return bool(shutil.which("nvcc")) and bool(gpus())
 
 
 def _run(cmd: list[str], log, cwd: Path | None = None) -> None:
@@ -78,7 +72,7 @@ def _vendor_commit(src: Path, version: str) -> str:
 
 @click.group()
 def tools() -> None:
-    """Build or locate the external binaries the external engines drive."""
+    """Build the external binaries that the external engines (llama-bench) drive."""
 
 
 @tools.command("build-llama-bench")
@@ -101,31 +95,33 @@ def build_llama_bench(version, cuda, jobs, force) -> None:
         raise UserError("cmake is not on PATH; install it (e.g. `apt-get install cmake` or `pip install cmake`) and retry.")
     dest.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="llama-bench-", dir=dest.parent))
-    with open(dest / "build.log", "wb") as log:
-        # pip reuses its cache, so a second build downloads nothing
-        _run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={version}", "--no-deps",
-              "--no-binary", ":all:", "-d", str(work)], log)
-        sdist = next(work.glob("llama_cpp_python-*.tar.gz"), None) or next(work.glob("*.tar.gz"), None)
-        if sdist is None:
-            raise UserError(f"pip did not download a source distribution of llama-cpp-python=={version}; "
-                            f"check the version and that PyPI is reachable.")
-        with tarfile.open(sdist) as tf:
-            tf.extractall(work, filter="data")
-        src = next(p for p in work.iterdir() if p.is_dir() and (p / "vendor" / "llama.cpp").is_dir())
-        llama = src / "vendor" / "llama.cpp"
-        build = work / "build"
-        _run(["cmake", "-S", str(llama), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TOOLS=ON",
-              "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF",
-              "-DBUILD_SHARED_LIBS=OFF", f"-DGGML_CUDA={'ON' if cuda else 'OFF'}"]
-             + (["-G", "Ninja"] if shutil.which("ninja") else []), log)
-        _run(["cmake", "--build", str(build), "--target", "llama-bench", "-j", str(jobs or os.cpu_count() or 1)], log)
-        built = next(build.rglob("bin/llama-bench"))
-        binary.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(built, binary)
-    # what we built from; engines.llama_bench reads it for the version, since the binary says "unknown"
-    commit = _vendor_commit(src, version)
-    (dest / "build.json").write_text(json.dumps({
-        "llama_cpp_python": version, "cuda": cuda, "sdist": sdist.name, "llama_cpp_commit": commit}, indent=2))
-    shutil.rmtree(work, ignore_errors=True)
+    try:
+        with open(dest / "build.log", "wb") as log:
+            # pip reuses its cache, so a second build downloads nothing
+            _run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={version}", "--no-deps",
+                  "--no-binary", ":all:", "-d", str(work)], log)
+            sdist = next(work.glob("llama_cpp_python-*.tar.gz"), None) or next(work.glob("*.tar.gz"), None)
+            if sdist is None:
+                raise UserError(f"pip did not download a source distribution of llama-cpp-python=={version}; "
+                                f"check the version and that PyPI is reachable.")
+            with tarfile.open(sdist) as tf:
+                tf.extractall(work, filter="data")
+            src = next(p for p in work.iterdir() if p.is_dir() and (p / "vendor" / "llama.cpp").is_dir())
+            llama = src / "vendor" / "llama.cpp"
+            build = work / "build"
+            _run(["cmake", "-S", str(llama), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TOOLS=ON",
+                  "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF",
+                  "-DBUILD_SHARED_LIBS=OFF", f"-DGGML_CUDA={'ON' if cuda else 'OFF'}"]
+                 + (["-G", "Ninja"] if shutil.which("ninja") else []), log)
+            _run(["cmake", "--build", str(build), "--target", "llama-bench", "-j", str(jobs or os.cpu_count() or 1)], log)
+            built = next(build.rglob("bin/llama-bench"))
+            binary.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(built, binary)
+        # what we built from; engines.llama_bench reads it for the version, since the binary says "unknown"
+        commit = _vendor_commit(src, version)
+        (dest / "build.json").write_text(json.dumps({
+            "llama_cpp_python": version, "cuda": cuda, "sdist": sdist.name, "llama_cpp_commit": commit}, indent=2))
+    finally:   # the unpacked sdist and build tree are 1+ GB; a failed build keeps only build.log
+        shutil.rmtree(work, ignore_errors=True)
     click.echo(f"built {binary} (llama-cpp-python {version}, llama.cpp {commit or 'commit unknown'}, "
                f"cuda={'on' if cuda else 'off'})")

@@ -40,16 +40,27 @@ def _delta(after: dict, before: dict) -> float:
 def run_job(job: dict, ch: Channel) -> None:
     engine = engine_class(job["engine"])()
     settings = EngineSettings(**job["settings"])
+    from harness.interleave import Turns     # --interleave: each step waits for the other arm's worker
+    turn = Turns(settings.extra.get("interleave_gate"))
     ch.emit("phase", phase="load")
+    turn.wait()
     t0 = time.perf_counter_ns()
     engine.load(Path(job["model"]), settings)
     load_s = (time.perf_counter_ns() - t0) / 1e9
+    turn.post()
     ch.emit("loaded", load_s=load_s, version=type(engine).version(), info=engine.info().to_dict())
     for name in job["workloads"]:
         w = parse_workload(name)
+        ch.emit("phase", phase=name)
+        timed = engine.measure(w, job["repetitions"], job["warmup"], job["seed"])
+        if timed is not None:      # an external binary timed itself; there is no second clock to compare
+            for rep, ns in enumerate(timed):
+                ch.emit("rep", workload=name, rep=rep, ns=ns, engine_ms=float("nan"))
+            continue
         depth_tokens, tokens = workload_tokens(w, job["n_vocab"], job["seed"])
         for rep in range(-job["warmup"], job["repetitions"]):
             ch.emit("phase", phase=name if rep >= 0 else f"warmup:{name}")
+            turn.wait()
             engine.reset()
             if depth_tokens:
                 engine.prefill(depth_tokens)   # untimed: brings the cache to depth D
@@ -61,10 +72,13 @@ def run_job(job: dict, ch: Channel) -> None:
                 for t in tokens:
                     engine.decode(t)
             ns = time.perf_counter_ns() - start
+            turn.post()
             if rep >= 0:
                 ch.emit("rep", workload=name, rep=rep, ns=ns, engine_ms=_delta(engine.counters(), before))
     ch.emit("phase", phase="close")
+    turn.wait()
     engine.close()
+    turn.post()
     ch.emit("done")
 
 

@@ -39,7 +39,13 @@ def run_ref(path: Path, depth: int, tokens=PROMPT, **extra) -> tuple[np.ndarray,
 
 
 def llama_cpp_logits(path: Path, tokens) -> np.ndarray:
+    import ctypes
+
     import llama_cpp
+    from llama_cpp import _logger
+    # engines/llama_cpp.py installs a per-engine log callback in llama.cpp's global logger and does not
+    # restore it; once that engine is gone the pointer dangles. Re-install llama-cpp-python's own.
+    llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, logits_all=True, verbose=False)
     llm.eval(tokens)
     out = np.array(llm.scores[:len(tokens)], dtype=np.float32)
@@ -216,8 +222,14 @@ def test_unsupported_architecture_is_a_user_error(tmp_path):
     for name, shape in tensor_shapes(p).items():
         w.add_tensor(name, np.zeros(shape, np.float32))
     finish(w)
-    with pytest.raises(UserError, match="qwen3moe, qwen2moe, olmoe, llama"):
+    with pytest.raises(UserError, match="architecture 'phimoe'.*qwen3moe, qwen2moe, olmoe, llama"):
         ReferenceEngine().load(tmp_path / "x.gguf", EngineSettings(n_ctx=32))
+    w = gguf.GGUFWriter(tmp_path / "dense.gguf", "llama")   # a supported arch, but no experts
+    _metadata(w, p, "dense")
+    w.add_tensor("token_embd.weight", np.zeros((p.n_vocab, p.n_embd), np.float32))
+    finish(w)
+    with pytest.raises(UserError, match="without routed experts.*qwen3moe, qwen2moe, olmoe, llama"):
+        ReferenceEngine().load(tmp_path / "dense.gguf", EngineSettings(n_ctx=32))
 
 
 def test_shape_mismatch_and_bad_settings_are_user_errors(tmp_path, models):

@@ -15,7 +15,7 @@ def run_dir_of(result) -> str:
 
 def test_failures_become_rows_and_the_sweep_goes_on(tiny, tmp_path):
     r = moebench("sweep", "-m", tiny, "-e", "crash,hang,hog,llama-cpp", "-w", "pp16", "-r", "1", "--threads", "2",
-                 "--timeout", "3", "--results-dir", tmp_path, "--strict", env={"FAULT": "crash"})
+                 "--timeout", "60", "--results-dir", tmp_path, "--strict", env={"FAULT": "crash"})
     assert r.returncode == 1, r.stderr          # --strict: failed cells -> exit 1
     cells = pd.read_csv(f"{run_dir_of(r)}/cells.csv").set_index("engine")
     assert cells.loc["crash", "status"] == "failed" and "SIGSEGV" in cells.loc["crash", "error"]

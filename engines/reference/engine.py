@@ -75,7 +75,7 @@ class ReferenceEngine(Engine):
                                              expected_shapes)
         from engines.reference.offload import PATHS, ExpertLayer, MoEExecutor, OffloadConfig
 
-        meta = read_meta(model)
+        meta = read_meta(model, require_moe=False)     # from_meta says which MoE archs are supported
         cfg = ModelConfig.from_meta(meta)
         shapes = expected_shapes(cfg)
         entries = {t.name: t for t in meta.tensors}
@@ -113,12 +113,19 @@ class ReferenceEngine(Engine):
         def fetch(name: str, dt=dtype) -> torch.Tensor:
             return src.load(name, dt)
 
+        def stacked(names: list[str], dim: int = 0) -> torch.Tensor:
+            """Tensors concatenated into one (q|k|v, gate|up): a copy, so the sources' pages are released."""
+            t = torch.cat([fetch(n) for n in names], dim=dim)
+            for n in names:
+                src.release(n)
+            return t
+
         def place(t: torch.Tensor, group: str, role: str, names: Sequence[str]) -> torch.Tensor:
             """Move t to its planned home and book its bytes (file bytes of its source tensors)."""
-            if role == "accelerator":
-                t = t.to(device)
-            elif cuda:
-                t = t.pin_memory()      # host experts: page-locked so copies to the GPU run async
+            if cuda:                    # a copy leaves the mapping: its pages can go
+                t = t.to(device) if role == "accelerator" else t.pin_memory()   # pinned: async H2D copies
+                for n in names:
+                    src.release(n)
             ledger.add(group, role, sum(entries[n].n_bytes for n in names), tensor_bytes(t))
             return t
 
@@ -133,21 +140,21 @@ class ReferenceEngine(Engine):
             bias = [b + f"attn_{p}.bias" for p in "qkv"]
             norm = cfg.spec.qk_norm != "none"
             sh = cfg.spec.shared_expert
+            shg = [b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight"]
             layers.append(LayerWeights(
                 attn_norm=acc(b + "attn_norm.weight", f32),
-                wqkv=place(torch.cat([fetch(n) for n in qkv]), "non_experts", "accelerator", qkv),
-                bqkv=place(torch.cat([fetch(n) for n in bias]), "non_experts", "accelerator", bias) if cfg.spec.qkv_bias else None,
+                wqkv=place(stacked(qkv), "non_experts", "accelerator", qkv),
+                bqkv=place(stacked(bias), "non_experts", "accelerator", bias) if cfg.spec.qkv_bias else None,
                 q_norm=acc(b + "attn_q_norm.weight", f32) if norm else None,
                 k_norm=acc(b + "attn_k_norm.weight", f32) if norm else None,
                 wo=acc(b + "attn_output.weight"), ffn_norm=acc(b + "ffn_norm.weight", f32),
                 router=acc(b + "ffn_gate_inp.weight", f32),
                 shexp_gate_inp=acc(b + "ffn_gate_inp_shexp.weight", f32) if sh else None,
-                shexp_gate_up=place(torch.cat([fetch(b + "ffn_gate_shexp.weight"), fetch(b + "ffn_up_shexp.weight")]),
-                                    "non_experts", "accelerator", [b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight"]) if sh else None,
+                shexp_gate_up=place(stacked(shg), "non_experts", "accelerator", shg) if sh else None,
                 shexp_down=acc(b + "ffn_down_shexp.weight") if sh else None))
             role = "host" if i < depth else "accelerator"
             gu_names = [b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight"]
-            gate_up = torch.cat([fetch(n) for n in gu_names], dim=1)          # (E, 2*ff, D)
+            gate_up = stacked(gu_names, dim=1)                                 # (E, 2*ff, D)
             experts.append(ExpertLayer(gate_up=place(gate_up, "experts", role, gu_names),
                                        down=place(fetch(b + "ffn_down_exps.weight"), "experts", role,
                                                   [b + "ffn_down_exps.weight"]),
@@ -184,6 +191,8 @@ class ReferenceEngine(Engine):
         import torch
 
         from engines.reference.model import prefill
+        if not len(tokens):
+            return
         self._check_room(len(tokens))
         t = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
         with torch.inference_mode():
@@ -213,8 +222,8 @@ class ReferenceEngine(Engine):
         lg = self.ledger
         n_host_tensors = 3 * self.depth  # gate, up, down per offloaded layer (gate+up are stacked in memory)
         eff = self.s.to_dict() | {
-            "n_cpu_moe": self.depth, "dtype": self._dtype_name, "device": str(self.device),
-            "flash_attn": "sdpa", "extra": dict(self.s.extra) | {
+            "n_cpu_moe": self.depth, "dtype": self._dtype_name, "device": str(self.device), "mmap": True,
+            "extra": dict(self.s.extra) | {
                 "moe_path": self.ocfg.path, "moe_stream_min_batch": self.ocfg.stream_min_batch,
                 "cpu_moe_threads": self.ocfg.host_threads}}
         return EngineInfo(
@@ -223,7 +232,7 @@ class ReferenceEngine(Engine):
             expert_bytes_host=lg.held_bytes("experts", "host"), expert_bytes_total=lg.held_bytes("experts"),
             n_overridden_tensors=n_host_tensors,
             extra=lg.to_dict() | {
-                "arch": self.cfg.arch, "file_dtype": self.stored, "compute_dtype": self._dtype_name,
+                "arch": self.cfg.arch, "attention": "torch scaled_dot_product_attention", "file_dtype": self.stored, "compute_dtype": self._dtype_name,
                 "host_device": "cpu", "accelerator_device": str(self.device),
                 "host_pinned": self.device.type == "cuda",
                 "placement_note": ("the accelerator part runs on the CPU: no CUDA device" if self.device.type != "cuda"

@@ -8,6 +8,7 @@ view is dropped right away, so no tensor is ever held twice.
 """
 from __future__ import annotations
 
+import mmap
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -58,9 +59,11 @@ class GGUFTensors:
     def __init__(self, meta: ModelMeta):
         self.meta = meta
         self.entries = {t.name: t for t in meta.tensors}
-        # mode "c": private copy-on-write mapping. Pages stay shared with the page cache until written,
-        # which nothing does; torch.from_numpy needs a writable array to avoid its read-only warning.
-        self._mm = np.memmap(meta.path, mode="c")
+        # A private copy-on-write mapping: pages stay shared with the page cache until written, which
+        # nothing does; torch.from_numpy needs a writable array to avoid its read-only warning.
+        with open(meta.path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self._mm = np.frombuffer(self._map, dtype=np.uint8)
 
     def raw(self, name: str) -> np.ndarray:
         """The stored bytes of one tensor as a uint8 view of the mapping (no copy)."""
@@ -86,10 +89,21 @@ class GGUFTensors:
             qtype = gguf.GGMLQuantizationType[e.ggml_type]
             rows = raw.reshape(*e.shape[:-1], -1)              # (..., bytes per row)
             t = torch.from_numpy(gguf.quants.dequantize(rows, qtype))   # f32, numpy shape
-        return t if t.dtype == dtype else t.to(dtype)
+        if t.dtype == dtype:
+            return t
+        out = t.to(dtype)
+        self.release(name)
+        return out
 
-    def close(self) -> None:
-        self._mm = None
+    def release(self, name: str) -> None:
+        """Drop the mapped pages of a tensor that was copied elsewhere from this process's RSS, so the
+        file's bytes are not resident beside the converted copy. Safe even if a view is still in use:
+        never-written pages of a private mapping are simply read from the file again on access."""
+        e = self.entries[name]
+        start = -(-e.offset // mmap.PAGESIZE) * mmap.PAGESIZE          # whole pages inside the tensor
+        end = (e.offset + e.n_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 @dataclass
