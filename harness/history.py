@@ -1,0 +1,249 @@
+"""Run history: every finished run indexed into <results-dir>/history.sqlite, and `moebench history`.
+
+The CSV files stay the source of truth; the index holds one row per run and one row per
+cell x workload (configuration key + median/spread of the repetitions), so `compare` can find the
+baseline runs of a cell and `history` can show a cell's trend without reading every run.
+Queries are parameterized only (no values pasted into SQL text).
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+from contextlib import closing
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import click
+
+from engines.base import UserError
+from harness import results
+from harness.cli import FORMAT, user_errors
+
+DB_NAME = "history.sqlite"
+DB_VERSION = 1
+# The full configuration key of a measured cell: two cells are comparable only if all of these agree.
+KEY_FIELDS = ("engine", "model_fingerprint", "n_cpu_moe", "workload", "n_ctx", "n_batch", "n_ubatch", "threads",
+              "flash_attn", "dtype", "device", "mmap", "extra")
+GATE_KEY = "interleave_gate"     # set by harness/interleave.py in settings.extra; never part of a key
+
+SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, path TEXT NOT NULL, started TEXT NOT NULL,
+       host TEXT, git_commit TEXT, interleave TEXT, indexed_at TEXT)""",
+    f"""CREATE TABLE IF NOT EXISTS cells (run_id TEXT NOT NULL REFERENCES runs(run_id), arm TEXT NOT NULL,
+       key TEXT NOT NULL, model_name TEXT, depth TEXT, engine_version TEXT, status TEXT, n INTEGER,
+       tps_median REAL, tps_mean REAL, tps_std REAL, tps_min REAL, tps_max REAL, ns_median REAL,
+       {", ".join(f"{k} TEXT" for k in KEY_FIELDS)}, PRIMARY KEY (run_id, arm, key))""",
+    "CREATE INDEX IF NOT EXISTS cells_key ON cells (key)",
+]
+
+
+@dataclass
+class CellSamples:
+    """The raw repetitions of one cell x workload of one run (arm "" unless the run was interleaved)."""
+    run_id: str
+    arm: str
+    key: dict[str, str]
+    model_name: str
+    depth: str
+    engine_version: str
+    status: str
+    error: str
+    tokens_per_s: list[float] = field(default_factory=list)
+    ns: list[float] = field(default_factory=list)
+
+    @property
+    def key_text(self) -> str:
+        return json.dumps([self.key[k] for k in KEY_FIELDS])
+
+
+def db_path(results_dir: str | Path) -> Path:
+    return Path(results_dir) / DB_NAME
+
+
+def _clean_extra(text: str) -> str:
+    """The `extra` column without the interleave gate (a temp path, not a setting)."""
+    try:
+        extra = json.loads(text or "{}")
+    except json.JSONDecodeError:
+        return text
+    return json.dumps({k: v for k, v in extra.items() if k != GATE_KEY}, sort_keys=True) if isinstance(extra, dict) else text
+
+
+def load_cells(run_dir: str | Path) -> list[CellSamples]:
+    """Every cell x workload of a run with its raw repetitions; failed cells appear with no samples."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "run.json").exists():
+        raise UserError(f"{str(run_dir)!r} is not a moebench run directory (no run.json); pass results/<run_id>.")
+    run = json.loads((run_dir / "run.json").read_text())
+    interleaved = bool(run.get("interleave"))
+    by_cell: dict[str, list[dict]] = {}
+    for m in results.read_csv(run_dir, "measurements.csv"):
+        by_cell.setdefault(m["cell_id"], []).append(m)
+    out = []
+    for c in results.read_csv(run_dir, "cells.csv"):
+        arm = c["cell_id"].split("/", 1)[0] if interleaved else ""
+        meas = by_cell.get(c["cell_id"], [])
+        workloads = list(dict.fromkeys(m["workload"] for m in meas))
+        if c["status"] != "ok":      # a failed cell still names its workloads, so compare can say it failed
+            workloads += [w for w in run.get("spec", {}).get("workloads", []) if w not in workloads]
+        for wl in workloads:
+            key = {k: c.get(k, "") for k in KEY_FIELDS} | {"workload": wl, "extra": _clean_extra(c.get("extra", ""))}
+            rows = [m for m in meas if m["workload"] == wl]
+            out.append(CellSamples(run.get("run_id", run_dir.name), arm, key, c["model_name"], c["depth"],
+                                   c["engine_version"], c["status"], c.get("error", ""),
+                                   [float(m["tokens_per_s"]) for m in rows], [float(m["ns"]) for m in rows]))
+    return out
+
+
+def connect(db: Path) -> sqlite3.Connection:
+    con = sqlite3.connect(db, timeout=30)     # two sweeps finishing together wait for each other's write
+    for stmt in SCHEMA:
+        con.execute(stmt)
+    con.execute(f"PRAGMA user_version = {DB_VERSION}")
+    return con
+
+
+def index_run(run_dir: str | Path, db: Path | None = None) -> bool:
+    """Index (or re-index, after --resume) a finished run into <run_dir>/../history.sqlite.
+    Never fails the sweep that calls it: a problem becomes a warning on stderr and False."""
+    run_dir = Path(run_dir).resolve()
+    db = db or run_dir.parent / DB_NAME
+    try:
+        run = json.loads((run_dir / "run.json").read_text())
+        cells = load_cells(run_dir)
+        with closing(connect(db)) as con, con:   # one transaction: a run is indexed whole or not at all
+            run_id = run.get("run_id", run_dir.name)
+            con.execute("DELETE FROM cells WHERE run_id = ?", (run_id,))
+            con.execute("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (run_id, str(run_dir), run.get("started", ""), run.get("host", {}).get("hostname", ""),
+                         run.get("host", {}).get("git_commit", "") or "", json.dumps(run.get("interleave") or ""),
+                         datetime.now(timezone.utc).isoformat()))
+            cols = ["run_id", "arm", "key", "model_name", "depth", "engine_version", "status", "n", "tps_median",
+                    "tps_mean", "tps_std", "tps_min", "tps_max", "ns_median", *KEY_FIELDS]
+            sql = f"INSERT OR REPLACE INTO cells ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
+            for c in cells:
+                t, n = results.stats(c.tokens_per_s), results.stats(c.ns)
+                nan = lambda v: None if v != v else v       # sqlite NULL, not NaN
+                con.execute(sql, (run_id, c.arm, c.key_text, c.model_name, c.depth, c.engine_version, c.status,
+                                  t["n"], nan(t["median"]), nan(t["mean"]), nan(t["std"]), nan(t["min"]),
+                                  nan(t["max"]), nan(n["median"]), *(c.key[k] for k in KEY_FIELDS)))
+        return True
+    except (OSError, sqlite3.Error, ValueError, KeyError, UserError) as e:
+        print(f"warning: could not index {run_dir} into {db} ({e}); compare still reads the run directory.",
+              file=sys.stderr)
+        return False
+
+
+def run_dir_of(db: Path, run_id: str) -> Path:
+    """The directory of an indexed run (for `history:<run_id>`)."""
+    with closing(_open(db)) as con:
+        row = con.execute("SELECT path FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    if row is None:
+        raise UserError(f"Run {run_id!r} is not in {db}; list runs with `moebench history`.")
+    return Path(row[0])
+
+
+def indexed_cells(db: Path, exclude_run: str = "") -> list[tuple[str, str, str, str, str]]:
+    """(run_id, arm, key, path, started) of every indexed cell with data, newest run first."""
+    with closing(_open(db)) as con:
+        return con.execute(
+            "SELECT c.run_id, c.arm, c.key, r.path, r.started FROM cells c JOIN runs r ON r.run_id = c.run_id "
+            "WHERE c.run_id != ? AND c.n > 0 ORDER BY r.started DESC, c.run_id DESC", (exclude_run,)).fetchall()
+
+
+def _open(db: Path) -> sqlite3.Connection:
+    if not db.exists():
+        raise UserError(f"No run history at {db}; run a sweep first or pass --results-dir where the runs are.")
+    return connect(db)
+
+
+def _filter_sql(engines: list[str], workloads: list[str], depths: list[str]) -> tuple[str, list[str]]:
+    """WHERE clause with one `?` per value: user text only ever travels as a parameter."""
+    where, params = ["c.n > 0"], []
+    for col, values in (("c.engine", engines), ("c.workload", workloads)):
+        if values:
+            where.append(f"{col} IN ({', '.join('?' * len(values))})")
+            params += values
+    if depths:     # a depth as asked ("all") or as resolved (layer count)
+        marks = ", ".join("?" * len(depths))
+        where.append(f"(c.n_cpu_moe IN ({marks}) OR c.depth IN ({marks}))")
+        params += depths + depths
+    return " AND ".join(where), params
+
+
+@click.command()
+@click.option("-e", "--engine", "engines", multiple=True, help="Only these engines (repeat or comma-separate).")
+@click.option("-w", "--workload", "workloads", multiple=True, help="Only these workloads, e.g. pp512,tg128.")
+@click.option("--depth", "depths", multiple=True, help="Only these --n-cpu-moe depths (N or all).")
+@click.option("--last", default=20, show_default=True, type=int, help="Show the newest N runs.")
+@click.option("--results-dir", type=click.Path(file_okay=False), default="results", show_default=True,
+              help="Where the runs and history.sqlite are.")
+@click.option("-o", "--output", "plot", type=click.Path(dir_okay=False), default="reports/history.png",
+              show_default=True, help="Write the trend plot (PNG) here.")
+@FORMAT
+@user_errors
+def history(engines, workloads, depths, last, results_dir, plot, fmt) -> None:
+    """Each cell's median tokens/s across the indexed runs: a trend table and a PNG plot."""
+    from harness.spec import split_list
+    from harness.tables import render
+
+    if last < 1:
+        raise UserError(f"--last {last} must be at least 1.")
+    where, params = _filter_sql(split_list(engines), split_list(workloads), split_list(depths))
+    with closing(_open(db_path(results_dir))) as con:
+        runs = [r[0] for r in con.execute(
+            f"SELECT DISTINCT c.run_id, r.started FROM cells c JOIN runs r ON r.run_id = c.run_id WHERE {where} "
+            "ORDER BY r.started DESC, c.run_id DESC LIMIT ?", (*params, last))]
+        if not runs:
+            raise UserError(f"No indexed run in {db_path(results_dir)} matches these filters; "
+                            "drop a filter or check the names with `moebench history` alone.")
+        rows = con.execute(
+            f"SELECT c.run_id, r.started, c.arm, c.engine, c.model_name, c.n_cpu_moe, c.workload, c.key, c.n, "
+            f"c.tps_median, c.tps_std, c.status FROM cells c JOIN runs r ON r.run_id = c.run_id "
+            f"WHERE {where} AND c.run_id IN ({', '.join('?' * len(runs))}) ORDER BY r.started, c.run_id, c.key",
+            (*params, *runs)).fetchall()
+    table = []
+    for run_id, started, arm, engine, model, ncm, wl, key, n, med, std, status in rows:
+        table.append({"run": run_id + (f":{arm}" if arm else ""), "started": started[:19], "engine": engine,
+                      "model": model, "n_cpu_moe": ncm, "workload": wl, "settings": _settings(key), "n": n,
+                      "tok/s median": med, "± std": std if std is not None else float("nan"), "status": status})
+    render(table, fmt, title=f"history ({len(runs)} runs)")
+    _plot(table, Path(plot))
+    click.echo(f"plot: {plot}", err=True)
+
+
+def _settings(key_text: str) -> str:
+    """The key fields a trend line is not already labelled by, compact: threads=2 n_ubatch=512 ..."""
+    key = dict(zip(KEY_FIELDS, json.loads(key_text)))
+    shown = ("n_ctx", "n_ubatch", "threads", "flash_attn")
+    extra = "" if key["extra"] in ("", "{}") else f" {key['extra']}"
+    return " ".join(f"{k}={key[k]}" for k in shown) + extra
+
+
+def _plot(table: list[dict], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")            # files only; no display on CI machines
+    import matplotlib.pyplot as plt
+
+    runs = list(dict.fromkeys(r["run"] for r in table))
+    lines: dict[str, list[tuple[int, float, float]]] = {}
+    for r in table:
+        label = f"{r['engine']} {r['model']} ncmoe={r['n_cpu_moe']} {r['workload']} {r['settings']}"
+        lines.setdefault(label, []).append((runs.index(r["run"]), r["tok/s median"], r["± std"]))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(runs) + 3), 4.5))
+    for label, pts in lines.items():
+        x, y, e = zip(*pts)
+        ax.errorbar(x, y, yerr=[0 if v != v else v for v in e], marker="o", capsize=3, label=label)
+    ax.set_xticks(range(len(runs)), [r[:16] for r in runs], rotation=45, ha="right", fontsize=7)
+    ax.set_ylabel("tokens/s (median ± std)")
+    values = [r["tok/s median"] for r in table if r["tok/s median"]]
+    if values and max(values) > 20 * min(values):     # engines and depths can be orders of magnitude apart
+        ax.set_yscale("log")
+    ax.set_title("moebench history")
+    ax.legend(fontsize=6, loc="best")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,233 @@
+"""`moebench sweep --interleave`: two configurations measured turn by turn (A B A B ...).
+
+Each arm is an engine spec, `NAME[@KEY=VALUE]...` (e.g. `llama-cpp`, `llama-cpp@threads=1`,
+`llama-cpp@n_ubatch=64@op_offload=0`); KEY is a sweep setting (threads, n_ctx, n_batch, n_ubatch,
+flash_attn) or else an engine-specific knob that goes to EngineSettings.extra. Two builds of one
+engine are two engine names (register the second with MOEBENCH_ENGINES=name=module:Class).
+
+For every model x depth, both arms are loaded in their own worker processes (the normal runner
+code: sampler, timeout, logs, status) and then take turns: each step (load, every warm-up and timed
+repetition, close) waits for a token from the other arm and passes it on when done. So only one
+process works at a time and any drift of the machine falls on both arms equally. The token is one
+byte through a named pipe per arm; when an arm ends (or dies), the parent hands the other one enough
+tokens to finish alone. The result is one normal run directory; cell ids carry the arm (`A/...`,
+`B/...`) and run.json["interleave"] names the arms, so `moebench compare RUN:A RUN:B` splits it.
+--timeout applies to each arm as usual, time spent waiting for its turn included.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from engines.base import Engine, UserError
+from engines.registry import engine_class
+from harness.history import GATE_KEY
+from harness.spec import Cell, SweepSpec, expand
+
+ARMS = ("A", "B")
+SPEC_KEYS = {"threads": int, "n_ctx": int, "n_batch": int, "n_ubatch": int, "flash_attn": str}
+
+
+@dataclass
+class EngineSpec:
+    text: str
+    engine: str
+    overrides: dict       # SweepSpec fields
+    extra: dict           # engine-specific knobs
+
+
+def _value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+
+def parse_engine_spec(text: str) -> EngineSpec:
+    """`llama-cpp@threads=1@n_ubatch=64` -> EngineSpec(engine='llama-cpp', overrides={...})."""
+    name, *pairs = text.strip().split("@")
+    overrides, extra = {}, {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not (sep and key.strip() and value.strip()):
+            raise UserError(f"Engine spec {text!r}: {pair!r} is not KEY=VALUE; write e.g. llama-cpp@threads=1.")
+        key, value = key.strip(), value.strip()
+        if key in SPEC_KEYS:
+            try:
+                overrides[key] = SPEC_KEYS[key](value)
+            except ValueError:
+                raise UserError(f"Engine spec {text!r}: {key} must be a whole number, not {value!r}.") from None
+        else:
+            extra[key] = _value(value)
+    if not name.strip():
+        raise UserError(f"Engine spec {text!r} has no engine name; write NAME[@KEY=VALUE]..., e.g. llama-cpp@threads=1.")
+    return EngineSpec(text.strip(), name.strip(), overrides, extra)
+
+
+def arm_spec(spec: SweepSpec, es: EngineSpec) -> SweepSpec:
+    return dataclasses.replace(spec, engines=[es.engine], extra=spec.extra | es.extra, **es.overrides)
+
+
+@dataclass
+class ArmCell(Cell):
+    arm: str = "A"
+
+    @property
+    def cell_id(self) -> str:       # A/llama-cpp/<fingerprint>/ncmoe0: two arms never share an id or a log
+        return f"{self.arm}/{Cell.cell_id.fget(self)}"
+
+
+class Turns:
+    """The worker's side of taking turns (no-op outside --interleave): wait() before a step, post() after."""
+
+    def __init__(self, gate: dict | None):
+        # O_RDWR: opening never blocks and a write never fails, even when the other arm is gone
+        self.r = os.open(gate["wait"], os.O_RDWR) if gate else None
+        self.w = os.open(gate["post"], os.O_RDWR) if gate else None
+
+    def wait(self) -> None:
+        if self.r is not None:
+            os.read(self.r, 1)
+
+    def post(self) -> None:
+        if self.w is not None:
+            os.write(self.w, b".")
+
+
+def _steps(spec: SweepSpec) -> int:
+    return 2 + len(spec.workloads) * (spec.warmup + spec.repetitions)     # load, each warm-up/rep, close
+
+
+def _flood(fd: int, n: int) -> None:
+    """Let an arm run alone to the end (its partner finished or died): one token per remaining step."""
+    os.set_blocking(fd, False)
+    try:
+        os.write(fd, b"." * n)
+    except BlockingIOError:     # pipe full: far more tokens queued than any arm has steps left
+        pass
+
+
+def run_pair(cells: dict[str, ArmCell], specs: dict[str, SweepSpec], run_dir: Path) -> dict[str, tuple]:
+    """Run arms A and B of one model x depth turn by turn; returns {arm: (cell row, measurements, samples)}."""
+    from harness.runner import run_cell
+
+    out: dict[str, tuple] = {}
+    with tempfile.TemporaryDirectory(prefix="moebench-turns-") as tmp:
+        fifo = {a: os.path.join(tmp, a) for a in ARMS}
+        for path in fifo.values():
+            os.mkfifo(path)
+        # the parent keeps both pipes open, so a queued token survives until its arm reads it
+        fds = {a: os.open(p, os.O_RDWR) for a, p in fifo.items()}
+        os.write(fds["A"], b".")                   # A goes first
+        other = {"A": "B", "B": "A"}
+
+        def arm(a: str) -> None:
+            cell = dataclasses.replace(cells[a], settings=dataclasses.replace(
+                cells[a].settings, extra=cells[a].settings.extra | {GATE_KEY: {"wait": fifo[a], "post": fifo[other[a]]}}))
+            try:
+                out[a] = run_cell(cell, specs[a], run_dir, run_dir.name)
+            finally:
+                _flood(fds[other[a]], _steps(specs[other[a]]))
+
+        threads = [threading.Thread(target=arm, args=(a,), daemon=True) for a in ARMS]
+        for t in threads:
+            t.start()
+        try:
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.5)            # short joins keep Ctrl-C responsive
+        except KeyboardInterrupt:
+            _stop_workers()
+            raise
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+    for a in ARMS:
+        if a not in out:
+            raise RuntimeError(f"arm {a} ended without a result")
+        row = out[a][0]
+        row["extra"] = {k: v for k, v in row["extra"].items() if k != GATE_KEY}
+        if isinstance(row["effective_settings"].get("extra"), dict):
+            row["effective_settings"]["extra"].pop(GATE_KEY, None)
+    return out
+
+
+def _stop_workers() -> None:
+    """Ctrl-C: kill the worker processes this sweep started (they run in their own sessions)."""
+    import psutil
+    import signal
+
+    for child in psutil.Process().children():
+        if "harness.worker" in " ".join(child.cmdline()):
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _differs(a: Cell, b: Cell) -> list[str]:
+    """Key fields in which the two arms differ (compare matches A with B across these)."""
+    sa, sb = a.settings, b.settings
+    fields = [f for f in ("n_ctx", "n_batch", "n_ubatch", "threads", "flash_attn") if getattr(sa, f) != getattr(sb, f)]
+    return (["engine"] if a.engine != b.engine else []) + fields + (["extra"] if sa.extra != sb.extra else [])
+
+
+def run_interleaved(spec: SweepSpec, results_dir: Path, resume: Path | None = None) -> tuple[Path, int]:
+    """The --interleave sweep: spec.engines holds exactly two engine specs. Returns (run dir, failed cells)."""
+    from datetime import datetime, timezone
+
+    import click
+
+    from harness import hardware, results
+    from harness.history import index_run
+    from harness.runner import new_run_dir, prepare_run_dir
+
+    if resume:
+        raise UserError("--resume cannot continue an interleaved sweep (both arms must run side by side); "
+                        "run the sweep again.")
+    if len(spec.engines) != 2:
+        raise UserError(f"--interleave needs exactly two engine specs, got {len(spec.engines)}; "
+                        "pass e.g. -e llama-cpp,llama-cpp@threads=1.")
+    if getattr(spec, "ray", None) or getattr(spec, "per_node", False):
+        raise UserError("--interleave runs both arms on this machine, side by side; drop --ray/--per-node.")
+    es = dict(zip(ARMS, (parse_engine_spec(e) for e in spec.engines)))
+    for e in es.values():
+        if engine_class(e.engine).measure is not Engine.measure:
+            raise UserError(f"Engine {e.engine!r} times all repetitions itself in one call, so it cannot take turns; "
+                            "--interleave works with in-process engines (llama-cpp, reference).")
+    specs = {a: arm_spec(spec, es[a]) for a in ARMS}
+    cells = {a: expand(specs[a]) for a in ARMS}       # validates both arms before anything runs
+    run_dir = new_run_dir(results_dir, spec)
+    prepare_run_dir(run_dir)
+    differs = _differs(cells["A"][0], cells["B"][0])
+    run = {"schema_version": results.SCHEMA_VERSION, "run_id": run_dir.name, "spec": spec.to_dict(),
+           "started": datetime.now(timezone.utc).isoformat(), "host": hardware.fingerprint(), "argv": sys.argv,
+           "interleave": {"A": es["A"].text, "B": es["B"].text, "differs": differs}}
+    (run_dir / "run.json").write_text(json.dumps(run, indent=2, default=str))
+    failed = 0
+    pairs = list(zip(cells["A"], cells["B"]))
+    for i, (ca, cb) in enumerate(pairs):
+        arm_cells = {a: ArmCell(**{f.name: getattr(c, f.name) for f in dataclasses.fields(Cell)}, arm=a)
+                     for a, c in (("A", ca), ("B", cb))}
+        out = run_pair(arm_cells, specs, run_dir)
+        for file, idx in (("measurements.csv", 1), ("samples.csv", 2), ("cells.csv", 0)):   # cells last
+            results.append_rows(run_dir, file, [r for a in ARMS for r in ([out[a][0]] if idx == 0 else out[a][idx])])
+        status = {a: out[a][0]["status"] for a in ARMS}
+        failed += sum(s != "ok" for s in status.values())
+        click.echo(f"[{i + 1}/{len(pairs)}] n_cpu_moe={ca.settings.n_cpu_moe} A {es['A'].text}: {status['A']}, "
+                   f"B {es['B'].text}: {status['B']}", err=True)
+    index_run(run_dir)
+    click.echo(f"compare the arms: moebench compare {run_dir}:A {run_dir}:B", err=True)
+    return run_dir, failed
