@@ -182,9 +182,13 @@ class Transformer:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, moe, n_ctx: int,
                  device: torch.device, dtype: torch.dtype):
         self.cfg, self.w, self.moe, self.n_ctx, self.device, self.dtype = cfg, weights, moe, n_ctx, device, dtype
+        # KV cache (and attention math) in f32 on CPU: ATen's bf16 batched matmul has no fast kernel
+        # (decode at 4K context: 1.6 ms vs 0.26 ms per layer for f32) and f32 SDPA prefill runs as fast
+        # as bf16; on CUDA the cache uses the compute dtype.
+        self.kv_dtype = torch.float32 if device.type == "cpu" else dtype
         kv_shape = (cfg.n_layers, cfg.n_head_kv, n_ctx, cfg.head_dim)
-        self.k_cache = torch.zeros(kv_shape, dtype=dtype, device=device)   # (L, Hkv, n_ctx, hd)
-        self.v_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
+        self.k_cache = torch.zeros(kv_shape, dtype=self.kv_dtype, device=device)   # (L, Hkv, n_ctx, hd)
+        self.v_cache = torch.zeros(kv_shape, dtype=self.kv_dtype, device=device)
         self.cos, self.sin = rope_tables(cfg, n_ctx, device)
 
     @property
@@ -206,17 +210,17 @@ class Transformer:
             q = F.rms_norm(q, (hd,), lw.q_norm, cfg.rms_eps)
             k = F.rms_norm(k, (hd,), lw.k_norm, cfg.rms_eps)
         cos, sin = self.cos[pos:pos + n, None, :], self.sin[pos:pos + n, None, :]   # (n, 1, hd/2)
-        q = apply_rope(q, cos, sin, cfg.spec.rope_neox).to(self.dtype)
-        k = apply_rope(k, cos, sin, cfg.spec.rope_neox).to(self.dtype)
+        q = apply_rope(q, cos, sin, cfg.spec.rope_neox).to(self.kv_dtype)
+        k = apply_rope(k, cos, sin, cfg.spec.rope_neox).to(self.kv_dtype)
         end = pos + n
         self.k_cache[il, :, pos:end] = k.transpose(0, 1)                  # (Hkv, n, hd)
-        self.v_cache[il, :, pos:end] = v.to(self.dtype).transpose(0, 1)
+        self.v_cache[il, :, pos:end] = v.to(self.kv_dtype).transpose(0, 1)
         K, V = self.k_cache[il, :, :end][None], self.v_cache[il, :, :end][None]   # (1, Hkv, end, hd)
-        if n == 1:   # decode: for one query plain matmuls beat SDPA's kernel setup (~5x on CPU)
+        if n == 1:   # decode: plain batched matmuls; on CPU 10x faster than SDPA for one query at 4K context
             qg = q.view(Hkv, H // Hkv, hd)                                 # head h reads kv head h // (H/Hkv)
             att = torch.softmax((qg @ K[0].transpose(1, 2)).float() * hd ** -0.5, dim=-1)   # (Hkv, G, end)
-            o = (att.to(self.dtype) @ V[0]).reshape(1, cfg.q_dim)         # (1, H*hd)
-            return F.linear(o, lw.wo).float()
+            o = (att.to(self.kv_dtype) @ V[0]).reshape(1, cfg.q_dim)      # (1, H*hd)
+            return F.linear(o.to(self.dtype), lw.wo).float()
         q = q.transpose(0, 1)[None]                                        # (1, H, n, hd)
         if pos == 0:
             o = F.scaled_dot_product_attention(q, K, V, is_causal=True, enable_gqa=True)
@@ -224,7 +228,7 @@ class Transformer:
             mask = torch.ones(n, end, dtype=torch.bool, device=x.device).tril(diagonal=pos)
             o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, enable_gqa=True)
         o = o[0].transpose(0, 1).reshape(n, cfg.q_dim)                    # (n, H*hd)
-        return F.linear(o, lw.wo).float()
+        return F.linear(o.to(self.dtype), lw.wo).float()
 
     def _ffn(self, il: int, x: torch.Tensor) -> torch.Tensor:
         """x: (n, D) f32 residual -> MoE output (n, D) f32 (plus qwen2moe's gated shared expert)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,11 @@ class ExpertLayer:
     down: torch.Tensor          # (E, D, ff)
     on_host: bool
 
+    def __post_init__(self):
+        # per-expert (gate_up, down) views made once: indexing the stacks on every call costs ops,
+        # and single-token decode is bound by per-op overhead
+        self.experts = list(zip(self.gate_up.unbind(0), self.down.unbind(0)))
+
 
 @dataclass
 class Counters:
@@ -65,22 +71,23 @@ def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> to
 
 
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """x: (n, D); ids: (n, k) rows of gate_up/down; w: (n, k) f32 -> (n, D) f32 = sum_j w_j * expert_j(x)."""
+                    experts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """x: (n, D); ids: (n, k) indices into experts [(gate_up (2*ff, D), down (D, ff))]; w: (n, k) f32
+    -> (n, D) f32 = sum_j w_j * expert_j(x)."""
     n, k = ids.shape
     if n == 1:   # decode: the k routed experts in turn, no sort needed
-        ys = torch.cat([expert_ffn(x, gate_up[e], down[e]) for e in ids[0].tolist()])   # (k, D)
+        ys = torch.cat([expert_ffn(x, *experts[e]) for e in ids[0].tolist()])   # (k, D)
         return w @ ys.float()                                     # (1, D)
     flat = ids.reshape(-1)                                       # (n*k,) expert of each (token, slot)
     order = torch.argsort(flat, stable=True)                     # (n*k,) grouped by expert
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()   # one host sync per layer
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()   # one host sync per layer
     tok = order // k                                             # (n*k,) token of each grouped row
     xs = x[tok]                                                  # (n*k, D) activations, grouped
     ys = torch.empty_like(xs)
     start = 0
     for e, c in enumerate(counts):
         if c:
-            ys[start:start + c] = expert_ffn(xs[start:start + c], gate_up[e], down[e])
+            ys[start:start + c] = expert_ffn(xs[start:start + c], *experts[e])
             start += c
     ws = w.reshape(-1)[order, None]                              # (n*k, 1)
     return torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, ys.float() * ws)
@@ -119,6 +126,8 @@ class MoEExecutor:
         self._prefetched: dict[int, tuple[int, object]] = {}   # layer -> (buffer, copy-done event)
         self._n = 0
 
+        self.staging_views = [list(zip(gu.unbind(0), dn.unbind(0))) for gu, dn in self.staging]
+
     @property
     def staging_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for pair in self.staging for t in pair)
@@ -141,10 +150,10 @@ class MoEExecutor:
         self.counters.calls[path] += 1
         layer = self.layers[il]
         if path == "resident":
-            return grouped_experts(x, ids, w, layer.gate_up, layer.down)
+            return grouped_experts(x, ids, w, layer.experts)
         if path == "host":
             with num_threads(self.cfg.host_threads):
-                y = grouped_experts(x.cpu(), ids.cpu(), w.cpu(), layer.gate_up, layer.down)
+                y = grouped_experts(x.cpu(), ids.cpu(), w.cpu(), layer.experts)
             return y.to(self.device, non_blocking=True)
         return self._stream(il, x, ids, w)
 
@@ -184,8 +193,7 @@ class MoEExecutor:
             slot_ids = lut[ids]                       # (n, k) staging slot of each routed expert
         if self.cuda:
             self._prefetch_next(il, 1 - b)
-        gu, dn = self.staging[b]
-        y = grouped_experts(x, slot_ids, w, gu, dn)
+        y = grouped_experts(x, slot_ids, w, self.staging_views[b])
         if self.cuda:
             ev = torch.cuda.Event()
             ev.record()
