@@ -23,6 +23,18 @@ _BUFFER = re.compile(r"(\S+)\s+(model|KV|compute|output|RS) buffer size =\s*([\d
 _OVERRIDE = re.compile(r"tensor (blk\.\d+\.\S+) \(.*\) buffer type overridden to (\S+)")
 
 
+_LOG: list[str] = []        # llama.cpp's log lines since the current engine's load()
+_LOG_CALLBACK = None        # installed once, alive for the whole process: llama.cpp's logger is global
+
+
+def _capture_log(L) -> None:
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is None:
+        _LOG_CALLBACK = L.llama_log_callback(lambda level, text, _: _LOG.append(text.decode(errors="replace")))
+    L.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))   # again each load: others may have replaced it
+    _LOG.clear()
+
+
 class _Override(ctypes.Structure):
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
@@ -55,15 +67,13 @@ class LlamaCppEngine(Engine):
 
         self.L, self.s, self.model_path = L, s, model
         self.meta = read_meta(model)
-        self._log: list[str] = []
-        # keep the callback, patterns and array alive as long as the model (else: segfault)
-        self._log_cb = L.llama_log_callback(lambda level, text, _: self._log.append(text.decode(errors="replace")))
-        L.llama_log_set(self._log_cb, ctypes.c_void_p(0))
+        _capture_log(L)
         L.llama_backend_init()
 
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = -1
         mp.load_mode = L.LLAMA_LOAD_MODE_MMAP if s.mmap else L.LLAMA_LOAD_MODE_NONE
+        # keep the patterns and the array alive as long as the model (else: segfault)
         self._patterns = [p.encode() for p in override_patterns(s.n_cpu_moe)]
         if self._patterns:
             cpu = L.llama_cpp._lib.ggml_backend_cpu_buffer_type
@@ -74,7 +84,7 @@ class LlamaCppEngine(Engine):
             mp.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
         self.model = L.llama_model_load_from_file(str(model).encode(), mp)
         if not self.model:
-            raise RuntimeError(f"llama.cpp could not load {model}: {self._log_text()[-500:]}")
+            raise RuntimeError(f"llama.cpp could not load {model}: {''.join(_LOG)[-500:]}")
 
         cp = L.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = s.n_ctx, s.n_batch, s.n_ubatch
@@ -84,13 +94,11 @@ class LlamaCppEngine(Engine):
         cp.no_perf = False
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
-            raise RuntimeError(f"llama.cpp could not create a context: {self._log_text()[-500:]}")
+            raise RuntimeError(f"llama.cpp could not create a context: {''.join(_LOG)[-500:]}")
         self.mem = L.llama_get_memory(self.ctx)
         self.batch = L.llama_batch_init(s.n_batch, 0, 1)
         self.pos = 0
-
-    def _log_text(self) -> str:
-        return "".join(self._log)
+        self._load_log = "".join(_LOG)       # what llama.cpp said while loading: info() parses it
 
     def reset(self) -> None:
         self.L.llama_memory_clear(self.mem, True)
@@ -128,7 +136,7 @@ class LlamaCppEngine(Engine):
         return ptr[: self.meta.n_vocab]
 
     def info(self) -> EngineInfo:
-        log = self._log_text()
+        log = self._load_log
         by_buffer: dict[str, int] = {}
         for buft, kind, mib in _BUFFER.findall(log):
             key = f"{kind.lower()}:{buft}"

@@ -39,13 +39,8 @@ def run_ref(path: Path, depth: int, tokens=PROMPT, **extra) -> tuple[np.ndarray,
 
 
 def llama_cpp_logits(path: Path, tokens) -> np.ndarray:
-    import ctypes
-
     import llama_cpp
-    from llama_cpp import _logger
-    # engines/llama_cpp.py installs a per-engine log callback in llama.cpp's global logger and does not
-    # restore it; once that engine is gone the pointer dangles. Re-install llama-cpp-python's own.
-    llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, logits_all=True, verbose=False)
     llm.eval(tokens)
     out = np.array(llm.scores[:len(tokens)], dtype=np.float32)
