@@ -52,7 +52,7 @@ def test_plan_matches_llama_cpp_buffers(mib_model, depth, mmap):
 
     e = LlamaCppEngine()
     e.load(mib_model, EngineSettings(n_cpu_moe=depth, n_ctx=300, threads=2, mmap=mmap))
-    info, log = e.info(), e._log_text()
+    info, log = e.info(), e._load_log
     e.close()
     meta = read_meta(mib_model)
     d = make_plan(meta, PlanSettings(engine="llama-cpp", n_ctx=300)).at(depth)
