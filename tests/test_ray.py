@@ -47,7 +47,9 @@ def cluster():
     ray_bin = str(Path(sys.executable).parent / "ray")
     tmp = tempfile.mkdtemp(prefix="mbray-", dir="/tmp")      # short: Ray's unix socket paths must stay < 108 chars
     port, client_port = free_port(), free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MOEBENCH_CACHE": f"{tmp}/node-cache"}
+    # on a loaded 2-core box the client server's per-client process can take longer than Ray's 30 s to start
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MOEBENCH_CACHE": f"{tmp}/node-cache",
+           "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "300"}
     common = ["--node-ip-address", "127.0.0.1", "--resources", '{"moebench_slot": 1}', "--num-cpus", "1",
               "--disable-usage-stats"]
 
