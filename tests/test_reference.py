@@ -123,6 +123,10 @@ def test_info_reports_placement_and_bytes(models):
     assert held["non_experts"]["accelerator"] == stored["non_experts"]["accelerator"]   # f32 file, f32 compute
     kv = 2 * TINY.n_layers * TINY.n_head_kv * 256 * TINY.head_dim * 4
     assert held["kv_cache"] == {"accelerator": kv}
+    # CPU-only: the host experts get all the run's threads (TensorSharp's cpus/2 cap is for a GPU run)
+    assert info.settings["extra"]["cpu_moe_threads"] == 2 and info.extra["cpu_moe_threads_rule"].startswith("threads")
+    _, e = run_ref(models["qwen3moe"], 1, cpu_moe_threads=1)
+    assert e.info().settings["extra"]["cpu_moe_threads"] == 1
 
 
 def test_depth_from_environment(models, monkeypatch):

@@ -3,7 +3,10 @@
 Knobs in EngineSettings.extra (all optional):
   moe_path              "auto" | "host" | "stream": force the execution path of offloaded layers
   moe_stream_min_batch  auto: batches of at least this many tokens stream experts (default 128)
-  cpu_moe_threads       threads for host-path expert matmuls (default max(1, min(cpus // 2, 64)))
+  cpu_moe_threads       threads for host-path expert matmuls. Default with a CUDA device: TensorSharp's
+                        max(1, min(cpus // 2, 64)) (the host works beside the GPU); on a CPU-only run the
+                        "accelerator" part and the host part are the same cores taking turns, so the
+                        default is settings.threads (a cap would only idle cores and re-size the pool)
   depth_from_env        true: ignore n_cpu_moe and resolve the depth from TS_N_CPU_MOE / TS_CPU_MOE
                         (engines.base.resolve_depth, TensorSharp's rule); the harness passes the
                         depth explicitly, which always beats the environment
@@ -102,7 +105,12 @@ class ReferenceEngine(Engine):
         if s.threads < 1 or s.n_ubatch < 1 or s.n_ctx < 1:
             raise UserError("threads, n_ubatch and n_ctx must be positive whole numbers.")
         torch.set_num_threads(s.threads)
-        host_threads = int(x.get("cpu_moe_threads") or max(1, min((os.cpu_count() or 2) // 2, 64)))
+        if x.get("cpu_moe_threads"):
+            host_threads, self._host_threads_rule = int(x["cpu_moe_threads"]), "set by cpu_moe_threads"
+        elif device.type == "cuda":
+            host_threads, self._host_threads_rule = max(1, min((os.cpu_count() or 2) // 2, 64)), "TensorSharp: min(cpus // 2, 64)"
+        else:
+            host_threads, self._host_threads_rule = s.threads, "threads: CPU-only, host and accelerator parts share the cores"
         ocfg = OffloadConfig(n_cpu_moe=depth, path=path, stream_min_batch=int(x.get("moe_stream_min_batch", 128)),
                              host_threads=host_threads, threads=s.threads)
         cuda = device.type == "cuda"
@@ -234,6 +242,7 @@ class ReferenceEngine(Engine):
             extra=lg.to_dict() | {
                 "arch": self.cfg.arch, "attention": "torch scaled_dot_product_attention", "file_dtype": self.stored, "compute_dtype": self._dtype_name,
                 "host_device": "cpu", "accelerator_device": str(self.device),
+                "cpu_moe_threads_rule": self._host_threads_rule,
                 "host_pinned": self.device.type == "cuda",
                 "placement_note": ("the accelerator part runs on the CPU: no CUDA device" if self.device.type != "cuda"
                                    else "host experts are page-locked; the rest is on the GPU"),

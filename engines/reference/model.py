@@ -161,19 +161,104 @@ class ModelWeights:
 
 
 def rope_tables(cfg: ModelConfig, n_ctx: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: (n_ctx, head_dim/2) f32; theta_i = pos * base^(-2i/head_dim) (ggml_rope_ext, no scaling)."""
+    """cos, sin: (n_ctx, head_dim) f32 such that rope(x) = x*cos + rotate(x)*sin, with
+    theta_i = pos * base^(-2i/head_dim) (ggml_rope_ext, no scaling). NEOX pairs value i with i+hd/2,
+    NORM pairs 2i with 2i+1; the sign of the rotation is folded into sin."""
     inv = cfg.rope_base ** (-torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
-    ang = torch.arange(n_ctx, dtype=torch.float64)[:, None] * inv[None, :]
-    return ang.cos().float().to(device), ang.sin().float().to(device)
+    ang = torch.arange(n_ctx, dtype=torch.float64)[:, None] * inv[None, :]      # (n_ctx, hd/2)
+    c, s = ang.cos().float(), ang.sin().float()
+    if cfg.spec.rope_neox:
+        cos, sin = torch.cat((c, c), dim=-1), torch.cat((-s, s), dim=-1)
+    else:
+        cos, sin = torch.stack((c, c), dim=-1).flatten(-2), torch.stack((-s, s), dim=-1).flatten(-2)
+    return cos.to(device), sin.to(device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
-    """x: (n, heads, hd) f32; cos/sin: (n, 1, hd/2). NEOX rotates (i, i+hd/2) pairs, NORM (2i, 2i+1)."""
-    if neox:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    """x: (n, heads, hd) f32; cos/sin: (n, 1, hd) from rope_tables. rotate(x) swaps the two values of
+    each pair: (x[i+hd/2], x[i]) for NEOX, (x[2i+1], x[2i]) for NORM; one flip, one multiply-add."""
+    n, h, hd = x.shape
+    pairs = x.reshape(n, h, 2, hd // 2) if neox else x.reshape(n, h, hd // 2, 2)
+    rotated = pairs.flip(2 if neox else 3).view(n, h, hd)
+    return torch.addcmul(x * cos, rotated, sin)
+
+
+def attention(cfg: ModelConfig, lw: LayerWeights, qk_norm: torch.Tensor | None, Kc: torch.Tensor, Vc: torch.Tensor,
+              cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, pos: int, dtype: torch.dtype) -> torch.Tensor:
+    """x: (n, D) f32 residual -> attention output (n, D) f32, writing K/V into the layer's cache
+    Kc, Vc (Hkv, n_ctx, hd) at pos..pos+n-1. cos/sin: rope_tables; qk_norm: Transformer.qk_norm."""
+    n, H, Hkv, hd = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    h = F.rms_norm(x, (cfg.n_embd,), lw.attn_norm, cfg.rms_eps).to(dtype)
+    qkv = F.linear(h, lw.wqkv, lw.bqkv).float()                           # (n, q + 2kv)
+    if cfg.spec.qk_norm == "full":                                         # olmoe: over the whole projection
+        q, k, v = qkv.split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
+        qk = torch.cat((F.rms_norm(q, (cfg.q_dim,), lw.q_norm, cfg.rms_eps),
+                        F.rms_norm(k, (cfg.kv_dim,), lw.k_norm, cfg.rms_eps)), dim=-1)
+    else:
+        qk, v = qkv.split((cfg.q_dim + cfg.kv_dim, cfg.kv_dim), dim=-1)
+    qk = qk.view(n, H + Hkv, hd)                                           # q heads, then k heads
+    if cfg.spec.qk_norm == "head":                                         # qwen3moe: per head
+        qk = F.rms_norm(qk, (hd,), None, cfg.rms_eps) * qk_norm
+    qk = apply_rope(qk, cos[pos:pos + n, None, :], sin[pos:pos + n, None, :], cfg.spec.rope_neox).to(Kc.dtype)
+    q, k = qk[:, :H], qk[:, H:]                                            # (n, H, hd), (n, Hkv, hd)
+    end = pos + n
+    Kc[:, pos:end] = k.transpose(0, 1)
+    Vc[:, pos:end] = v.view(n, Hkv, hd).transpose(0, 1)
+    K, V = Kc[:, :end], Vc[:, :end]                                        # (Hkv, end, hd)
+    if n == 1:   # decode: plain batched matmuls; on CPU 10x faster than SDPA for one query at 4K context
+        qg = q.view(Hkv, H // Hkv, hd)                                     # head h reads kv head h // (H/Hkv)
+        att = torch.softmax((qg @ K.transpose(1, 2)).float() * hd ** -0.5, dim=-1)   # (Hkv, G, end)
+        o = (att.to(Kc.dtype) @ V).reshape(1, cfg.q_dim)                  # (1, H*hd)
+        return F.linear(o.to(dtype), lw.wo).float()
+    q, K, V = q.transpose(0, 1)[None], K[None], V[None]                    # (1, H, n, hd), (1, Hkv, end, hd)
+    if pos == 0:
+        o = F.scaled_dot_product_attention(q, K, V, is_causal=True, enable_gqa=True)
+    else:   # a later ubatch: query i sits at pos+i and sees keys 0..pos+i
+        mask = torch.ones(n, end, dtype=torch.bool, device=x.device).tril(diagonal=pos)
+        o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, enable_gqa=True)
+    o = o[0].transpose(0, 1).reshape(n, cfg.q_dim)                        # (n, H*hd)
+    return F.linear(o.to(dtype), lw.wo).float()
+
+
+def route(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h: (n, D) f32 normed -> expert weights (n, k) f32 and ids (n, k)."""
+    logits = F.linear(h, lw.router)                                        # (n, E)
+    if cfg.spec.norm_topk:   # softmax over all experts, top-k, renormalized == softmax of the top-k logits
+        top, ids = logits.topk(cfg.n_expert_used, dim=-1)
+        w = torch.softmax(top, dim=-1)
+    else:
+        w, ids = torch.softmax(logits, dim=-1).topk(cfg.n_expert_used, dim=-1)
+    if cfg.expert_weights_scale not in (0.0, 1.0):
+        w = w * cfg.expert_weights_scale
+    return w, ids
+
+
+def shared_expert(lw: LayerWeights, h: torch.Tensor, hc: torch.Tensor) -> torch.Tensor:
+    """qwen2moe's sigmoid-gated shared expert: h (n, D) f32, hc its compute-dtype copy -> (n, D) f32."""
+    gate = torch.sigmoid(h @ lw.shexp_gate_inp)[:, None]                   # (n, 1)
+    a, b = F.linear(hc, lw.shexp_gate_up).chunk(2, dim=-1)                # (n, ff_sh) each
+    return gate * F.linear(F.silu(a) * b, lw.shexp_down).float()
+
+
+def decode_layer(cfg: ModelConfig, lw: LayerWeights, qk_norm: torch.Tensor | None, Kc: torch.Tensor, Vc: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                 x: torch.Tensor, pos: int, dtype: torch.dtype) -> torch.Tensor:
+    """One layer of a decode step as one function of tensors, what torch.compile gets (extra compile):
+    x (1, D) f32 -> (1, D) f32. The routed experts are read in place from the stacks gate_up
+    (E, 2*ff, D) and down (E, D, ff): .item() makes each index a symbol, the weight a view, no copy."""
+    x = x + attention(cfg, lw, qk_norm, Kc, Vc, cos, sin, x, pos, dtype)
+    h = F.rms_norm(x, (cfg.n_embd,), lw.ffn_norm, cfg.rms_eps)
+    w, ids = route(cfg, lw, h)
+    hc = h.to(dtype)
+    ys = []
+    for j in range(cfg.n_expert_used):
+        e = ids[0, j].item()
+        g, u = F.linear(hc, gate_up[e]).chunk(2, dim=-1)
+        ys.append(F.linear(F.silu(g) * u, down[e]))
+    out = w @ torch.cat(ys).float()                                        # (1, D)
+    if cfg.spec.shared_expert:
+        out = out + shared_expert(lw, h, hc)
+    return x + out
 
 
 class Transformer:
@@ -189,63 +274,43 @@ class Transformer:
         kv_shape = (cfg.n_layers, cfg.n_head_kv, n_ctx, cfg.head_dim)
         self.k_cache = torch.zeros(kv_shape, dtype=self.kv_dtype, device=device)   # (L, Hkv, n_ctx, hd)
         self.v_cache = torch.zeros(kv_shape, dtype=self.kv_dtype, device=device)
-        self.cos, self.sin = rope_tables(cfg, n_ctx, device)
+        # Per-layer views and tables made once: single-token decode is bound by per-op overhead.
+        self.k_layers, self.v_layers = self.k_cache.unbind(0), self.v_cache.unbind(0)   # (Hkv, n_ctx, hd) each
+        self.cos, self.sin = rope_tables(cfg, n_ctx, device)                # (n_ctx, hd)
+        # qwen3moe: q and k are normed per head with different weights; one (H + Hkv, hd) weight
+        # (q_norm per q head, then k_norm per kv head; 6 KiB a layer) normalizes both in one call.
+        H, Hkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        self.qk_norm = [torch.cat((lw.q_norm.expand(H, hd), lw.k_norm.expand(Hkv, hd)))
+                        for lw in weights.layers] if cfg.spec.qk_norm == "head" else None
+        self.compiled_layer = None          # torch.compile'd decode_layer, see compile_decode
+
+    def compile_decode(self) -> None:
+        """Decode steps run each layer through one torch.compile'd (inductor) decode_layer: the ~60
+        small ops of a layer become a few fused kernels around the matmuls. One graph serves every
+        layer (weights are arguments) and every position (dynamic). CPU only: on CUDA the host
+        layers' experts live on another device than the graph."""
+        import torch._dynamo
+        torch._dynamo.config.capture_scalar_outputs = True      # expert ids via .item() stay in the graph
+        self.compiled_layer = torch.compile(decode_layer, dynamic=True)
 
     @property
     def kv_bytes(self) -> int:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()
 
     def _attention(self, il: int, x: torch.Tensor, pos: int) -> torch.Tensor:
-        """x: (n, D) f32 residual -> attention output (n, D) f32, writing K/V at pos..pos+n-1."""
-        cfg, lw, n = self.cfg, self.w.layers[il], x.shape[0]
-        H, Hkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        h = F.rms_norm(x, (cfg.n_embd,), lw.attn_norm, cfg.rms_eps).to(self.dtype)
-        qkv = F.linear(h, lw.wqkv, lw.bqkv).float()                       # (n, q + 2kv)
-        q, k, v = qkv.split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
-        if cfg.spec.qk_norm == "full":                                     # olmoe: over the whole projection
-            q = F.rms_norm(q, (cfg.q_dim,), lw.q_norm, cfg.rms_eps)
-            k = F.rms_norm(k, (cfg.kv_dim,), lw.k_norm, cfg.rms_eps)
-        q, k, v = q.view(n, H, hd), k.view(n, Hkv, hd), v.view(n, Hkv, hd)
-        if cfg.spec.qk_norm == "head":                                     # qwen3moe: per head
-            q = F.rms_norm(q, (hd,), lw.q_norm, cfg.rms_eps)
-            k = F.rms_norm(k, (hd,), lw.k_norm, cfg.rms_eps)
-        cos, sin = self.cos[pos:pos + n, None, :], self.sin[pos:pos + n, None, :]   # (n, 1, hd/2)
-        q = apply_rope(q, cos, sin, cfg.spec.rope_neox).to(self.kv_dtype)
-        k = apply_rope(k, cos, sin, cfg.spec.rope_neox).to(self.kv_dtype)
-        end = pos + n
-        self.k_cache[il, :, pos:end] = k.transpose(0, 1)                  # (Hkv, n, hd)
-        self.v_cache[il, :, pos:end] = v.to(self.kv_dtype).transpose(0, 1)
-        K, V = self.k_cache[il, :, :end][None], self.v_cache[il, :, :end][None]   # (1, Hkv, end, hd)
-        if n == 1:   # decode: plain batched matmuls; on CPU 10x faster than SDPA for one query at 4K context
-            qg = q.view(Hkv, H // Hkv, hd)                                 # head h reads kv head h // (H/Hkv)
-            att = torch.softmax((qg @ K[0].transpose(1, 2)).float() * hd ** -0.5, dim=-1)   # (Hkv, G, end)
-            o = (att.to(self.kv_dtype) @ V[0]).reshape(1, cfg.q_dim)      # (1, H*hd)
-            return F.linear(o.to(self.dtype), lw.wo).float()
-        q = q.transpose(0, 1)[None]                                        # (1, H, n, hd)
-        if pos == 0:
-            o = F.scaled_dot_product_attention(q, K, V, is_causal=True, enable_gqa=True)
-        else:   # a later ubatch: query i sits at pos+i and sees keys 0..pos+i
-            mask = torch.ones(n, end, dtype=torch.bool, device=x.device).tril(diagonal=pos)
-            o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, enable_gqa=True)
-        o = o[0].transpose(0, 1).reshape(n, cfg.q_dim)                    # (n, H*hd)
-        return F.linear(o.to(self.dtype), lw.wo).float()
+        qk_norm = self.qk_norm[il] if self.qk_norm else None
+        return attention(self.cfg, self.w.layers[il], qk_norm, self.k_layers[il], self.v_layers[il],
+                         self.cos, self.sin, x, pos, self.dtype)
 
     def _ffn(self, il: int, x: torch.Tensor) -> torch.Tensor:
         """x: (n, D) f32 residual -> MoE output (n, D) f32 (plus qwen2moe's gated shared expert)."""
         cfg, lw = self.cfg, self.w.layers[il]
         h = F.rms_norm(x, (cfg.n_embd,), lw.ffn_norm, cfg.rms_eps)        # (n, D) f32
-        probs = torch.softmax(F.linear(h, lw.router), dim=-1)             # (n, E)
-        w, ids = probs.topk(cfg.n_expert_used, dim=-1)                    # (n, k)
-        if cfg.spec.norm_topk:
-            w = w / w.sum(dim=-1, keepdim=True)
-        if cfg.expert_weights_scale not in (0.0, 1.0):
-            w = w * cfg.expert_weights_scale
+        w, ids = route(cfg, lw, h)                                         # (n, k) each
         hc = h.to(self.dtype)
         out = self.moe(il, hc, ids, w)                                     # (n, D) f32
         if cfg.spec.shared_expert:
-            gate = torch.sigmoid(h @ lw.shexp_gate_inp)[:, None]           # (n, 1)
-            a, b = F.linear(hc, lw.shexp_gate_up).chunk(2, dim=-1)        # (n, ff_sh) each
-            out = out + gate * F.linear(F.silu(a) * b, lw.shexp_down).float()
+            out = out + shared_expert(lw, h, hc)
         return out
 
     def forward(self, tokens: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
@@ -253,6 +318,13 @@ class Transformer:
         x = F.embedding(tokens, self.w.token_embd).float()                 # (n, D)
         self.moe.begin_batch(tokens.shape[0])
         for il in range(self.cfg.n_layers):
+            if self.compiled_layer is not None and tokens.shape[0] == 1:
+                self.moe.count(il, 1)
+                ex = self.moe.layers[il]
+                x = self.compiled_layer(self.cfg, self.w.layers[il], self.qk_norm[il] if self.qk_norm else None,
+                                        self.k_layers[il], self.v_layers[il], self.cos, self.sin,
+                                        ex.gate_up, ex.down, x, pos, self.dtype)
+                continue
             x = x + self._attention(il, x, pos)
             x = x + self._ffn(il, x)
         if not all_logits:

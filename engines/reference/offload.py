@@ -35,7 +35,7 @@ class OffloadConfig:
     n_cpu_moe: int              # layers 0..n_cpu_moe-1 keep their routed experts in host RAM
     path: str = "auto"          # auto | host | stream (forces the path of offloaded layers)
     stream_min_batch: int = 128  # auto: batches of at least this many tokens take the stream path
-    host_threads: int = 1       # CPU threads for host-path expert matmuls (TensorSharp: min(cpus/2, 64))
+    host_threads: int = 1       # CPU threads for host-path expert matmuls (engine.py picks the default)
     threads: int = 1            # threads for everything else
 
 
@@ -46,9 +46,7 @@ class ExpertLayer:
     on_host: bool
 
     def __post_init__(self):
-        # per-expert (gate_up, down) views made once: indexing the stacks on every call costs ops,
-        # and single-token decode is bound by per-op overhead
-        self.experts = list(zip(self.gate_up.unbind(0), self.down.unbind(0)))
+        self.experts = expert_views(self.gate_up, self.down)
 
 
 @dataclass
@@ -64,19 +62,29 @@ class Counters:
             "prefetched_layers": self.prefetched_layers}
 
 
-def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """x: (c, D); gate_up: (2*ff, D); down: (D, ff) -> (c, D): down(silu(gate x) * up x)."""
-    g, u = F.linear(x, gate_up).chunk(2, dim=-1)                 # (c, ff) each
-    return F.linear(F.silu(g) * u, down)
+def expert_views(gate_up: torch.Tensor, down: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-expert transposed views [(gate_up_e.T (D, 2*ff), down_e.T (ff, D))] of stacks (E, 2*ff, D) and
+    (E, D, ff), made once: x @ view is what F.linear runs, minus the per-call indexing and transposes
+    (single-token decode is bound by per-op overhead)."""
+    return [(gu.t(), dn.t()) for gu, dn in zip(gate_up.unbind(0), down.unbind(0))]
+
+
+def expert_ffn(x: torch.Tensor, gate_up_t: torch.Tensor, down_t: torch.Tensor) -> torch.Tensor:
+    """x: (c, D); gate_up_t: (D, 2*ff); down_t: (ff, D) -> (c, D): down(silu(gate x) * up x)."""
+    g, u = (x @ gate_up_t).chunk(2, dim=-1)                      # (c, ff) each
+    return (F.silu(g) * u) @ down_t
 
 
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                     experts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """x: (n, D); ids: (n, k) indices into experts [(gate_up (2*ff, D), down (D, ff))]; w: (n, k) f32
+    """x: (n, D); ids: (n, k) indices into experts (expert_views); w: (n, k) f32
     -> (n, D) f32 = sum_j w_j * expert_j(x)."""
     n, k = ids.shape
-    if n == 1:   # decode: the k routed experts in turn, no sort needed
-        ys = torch.cat([expert_ffn(x, *experts[e]) for e in ids[0].tolist()])   # (k, D)
+    if n == 1:   # decode: the k routed experts in turn, no sort; one gating op for all k
+        used = [experts[e] for e in ids[0].tolist()]
+        g, u = torch.cat([x @ gu for gu, _ in used]).chunk(2, dim=-1)   # (k, ff) each
+        act = F.silu(g) * u
+        ys = torch.cat([act[j:j + 1] @ dn for j, (_, dn) in enumerate(used)])   # (k, D)
         return w @ ys.float()                                     # (1, D)
     flat = ids.reshape(-1)                                       # (n*k,) expert of each (token, slot)
     order = torch.argsort(flat, stable=True)                     # (n*k,) grouped by expert
@@ -126,7 +134,7 @@ class MoEExecutor:
         self._prefetched: dict[int, tuple[int, object]] = {}   # layer -> (buffer, copy-done event)
         self._n = 0
 
-        self.staging_views = [list(zip(gu.unbind(0), dn.unbind(0))) for gu, dn in self.staging]
+        self.staging_views = [expert_views(gu, dn) for gu, dn in self.staging]
 
     @property
     def staging_bytes(self) -> int:
@@ -144,10 +152,15 @@ class MoEExecutor:
         self._n = n
         self._prefetched.clear()
 
+    def count(self, il: int, n: int) -> str:
+        """Book one call of layer il for n tokens; its path."""
+        path = self.path_for(il, n)
+        self.counters.calls[path] += 1
+        return path
+
     def __call__(self, il: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x: (n, D) compute dtype on the accelerator; ids, w: (n, k) -> (n, D) f32 on the accelerator."""
-        path = self.path_for(il, x.shape[0])
-        self.counters.calls[path] += 1
+        path = self.count(il, x.shape[0])
         layer = self.layers[il]
         if path == "resident":
             return grouped_experts(x, ids, w, layer.experts)
