@@ -220,7 +220,10 @@ class Cluster:
                    for cell, opts, node in jobs}
         try:
             for i in range(len(jobs)):
-                [ref], _ = ray.wait(list(pending), num_returns=1)
+                ready: list = []
+                while not ready:    # bounded waits: an unbounded ray.wait holds off Ctrl-C until a cell ends
+                    ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+                ref = ready[0]
                 cell, node = pending.pop(ref)
                 try:
                     out = ray.get(ref)

@@ -240,27 +240,6 @@ def shared_expert(lw: LayerWeights, h: torch.Tensor, hc: torch.Tensor) -> torch.
     return gate * F.linear(F.silu(a) * b, lw.shexp_down).float()
 
 
-def decode_layer(cfg: ModelConfig, lw: LayerWeights, qk_norm: torch.Tensor | None, Kc: torch.Tensor, Vc: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                 x: torch.Tensor, pos: int, dtype: torch.dtype) -> torch.Tensor:
-    """One layer of a decode step as one function of tensors, what torch.compile gets (extra compile):
-    x (1, D) f32 -> (1, D) f32. The routed experts are read in place from the stacks gate_up
-    (E, 2*ff, D) and down (E, D, ff): .item() makes each index a symbol, the weight a view, no copy."""
-    x = x + attention(cfg, lw, qk_norm, Kc, Vc, cos, sin, x, pos, dtype)
-    h = F.rms_norm(x, (cfg.n_embd,), lw.ffn_norm, cfg.rms_eps)
-    w, ids = route(cfg, lw, h)
-    hc = h.to(dtype)
-    ys = []
-    for j in range(cfg.n_expert_used):
-        e = ids[0, j].item()
-        g, u = F.linear(hc, gate_up[e]).chunk(2, dim=-1)
-        ys.append(F.linear(F.silu(g) * u, down[e]))
-    out = w @ torch.cat(ys).float()                                        # (1, D)
-    if cfg.spec.shared_expert:
-        out = out + shared_expert(lw, h, hc)
-    return x + out
-
-
 class Transformer:
     """Weights + static KV cache. `moe(il, h, ids, w)` (engines.reference.offload) runs the experts."""
 
@@ -282,16 +261,6 @@ class Transformer:
         H, Hkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         self.qk_norm = [torch.cat((lw.q_norm.expand(H, hd), lw.k_norm.expand(Hkv, hd)))
                         for lw in weights.layers] if cfg.spec.qk_norm == "head" else None
-        self.compiled_layer = None          # torch.compile'd decode_layer, see compile_decode
-
-    def compile_decode(self) -> None:
-        """Decode steps run each layer through one torch.compile'd (inductor) decode_layer: the ~60
-        small ops of a layer become a few fused kernels around the matmuls. One graph serves every
-        layer (weights are arguments) and every position (dynamic). CPU only: on CUDA the host
-        layers' experts live on another device than the graph."""
-        import torch._dynamo
-        torch._dynamo.config.capture_scalar_outputs = True      # expert ids via .item() stay in the graph
-        self.compiled_layer = torch.compile(decode_layer, dynamic=True)
 
     @property
     def kv_bytes(self) -> int:
@@ -318,13 +287,6 @@ class Transformer:
         x = F.embedding(tokens, self.w.token_embd).float()                 # (n, D)
         self.moe.begin_batch(tokens.shape[0])
         for il in range(self.cfg.n_layers):
-            if self.compiled_layer is not None and tokens.shape[0] == 1:
-                self.moe.count(il, 1)
-                ex = self.moe.layers[il]
-                x = self.compiled_layer(self.cfg, self.w.layers[il], self.qk_norm[il] if self.qk_norm else None,
-                                        self.k_layers[il], self.v_layers[il], self.cos, self.sin,
-                                        ex.gate_up, ex.down, x, pos, self.dtype)
-                continue
             x = x + self._attention(il, x, pos)
             x = x + self._ffn(il, x)
         if not all_logits:

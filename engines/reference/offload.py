@@ -152,15 +152,10 @@ class MoEExecutor:
         self._n = n
         self._prefetched.clear()
 
-    def count(self, il: int, n: int) -> str:
-        """Book one call of layer il for n tokens; its path."""
-        path = self.path_for(il, n)
-        self.counters.calls[path] += 1
-        return path
-
     def __call__(self, il: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x: (n, D) compute dtype on the accelerator; ids, w: (n, k) -> (n, D) f32 on the accelerator."""
-        path = self.count(il, x.shape[0])
+        path = self.path_for(il, x.shape[0])
+        self.counters.calls[path] += 1
         layer = self.layers[il]
         if path == "resident":
             return grouped_experts(x, ids, w, layer.experts)
