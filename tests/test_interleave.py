@@ -8,39 +8,24 @@ from pathlib import Path
 
 import pytest
 
-from engines.base import Engine, EngineInfo, UserError
+from engines.base import UserError
 from harness.interleave import parse_engine_spec
 from tests.conftest import FAULTS, moebench
+from tests.fault_engines import _Base
 
 STAMP = {"MOEBENCH_ENGINES": FAULTS + ",stamp=tests.test_interleave:StampEngine"}
 
 
-class StampEngine(Engine):
+class StampEngine(_Base):
     """Writes the wall-clock interval of every prefill to extra['stamp_file'], labelled extra['label'],
     so the test can see from outside which process worked when."""
     name = "stamp"
 
-    @classmethod
-    def available(cls):
-        return None
-
-    def load(self, model, s):
-        self.s = s
-
-    def reset(self):
-        pass
-
-    def prefill(self, tokens):
+    def fault(self):
         start = time.time_ns()
         time.sleep(0.01)
         with open(self.s.extra["stamp_file"], "a") as f:
             f.write(f"{self.s.extra['label']} {start} {time.time_ns()}\n")
-
-    def decode(self, token):
-        self.prefill([token])
-
-    def info(self):
-        return EngineInfo(self.name, "test", {}, {})
 
 
 def last_run(results_dir: Path) -> Path:

@@ -81,7 +81,7 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
     -> (n, D) f32 = sum_j w_j * expert_j(x)."""
     n, k = ids.shape
     if n == 1:   # decode: the k routed experts in turn, no sort; one gating op for all k
-        used = [experts[e] for e in ids[0].tolist()]
+        used = [experts[e] for e in ids.tolist()[0]]
         g, u = torch.cat([x @ gu for gu, _ in used]).chunk(2, dim=-1)   # (k, ff) each
         act = F.silu(g) * u
         ys = torch.cat([act[j:j + 1] @ dn for j, (_, dn) in enumerate(used)])   # (k, D)
