@@ -11,6 +11,12 @@ Knobs in EngineSettings.extra (all optional):
                         (engines.base.resolve_depth, TensorSharp's rule); the harness passes the
                         depth explicitly, which always beats the environment
   logits_all            true: prefill keeps the logits of every position (tests), else only the last
+  hugepages             CPU device: copy weights >= 2 MiB into memory advised for transparent huge
+                        pages (kernels.hugepage_copy; default true, false keeps 4 KiB pages)
+  decode_matvec         "auto" (default) | "aten": auto runs single-token decode products through the
+                        AVX512-BF16 kernels (engines.reference.kernels) when the compute dtype is bf16 on
+                        a CPU device with avx512_bf16 and they compile; info().extra["decode_matvec"] says
+                        which path runs ("avx512bf16-kernel" | "aten") and decode_matvec_note why
 """
 from __future__ import annotations
 
@@ -76,6 +82,7 @@ class ReferenceEngine(Engine):
                                                file_dtype, tensor_bytes)
         from engines.reference.model import (LayerWeights, ModelConfig, ModelWeights, Transformer,
                                              expected_shapes)
+        from engines.reference.kernels import DecodeLinear, hugepage_copy
         from engines.reference.offload import PATHS, ExpertLayer, MoEExecutor, OffloadConfig
 
         meta = read_meta(model, require_moe=False)     # from_meta says which MoE archs are supported
@@ -94,6 +101,8 @@ class ReferenceEngine(Engine):
         path = str(x.get("moe_path", "auto"))
         if path not in PATHS:
             raise UserError(f"moe_path {path!r} is not one of {', '.join(PATHS)}.")
+        if str(x.get("decode_matvec", "auto")) not in ("auto", "aten"):
+            raise UserError(f"decode_matvec {x['decode_matvec']!r} is not one of auto, aten.")
         if s.device == "auto":
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
@@ -114,6 +123,8 @@ class ReferenceEngine(Engine):
         ocfg = OffloadConfig(n_cpu_moe=depth, path=path, stream_min_batch=int(x.get("moe_stream_min_batch", 128)),
                              host_threads=host_threads, threads=s.threads)
         cuda = device.type == "cuda"
+        huge = not cuda and bool(x.get("hugepages", True))   # CPU: weights on 2 MiB pages (hugepage_copy)
+        self._huge = huge
 
         ledger = ByteLedger()
         src = GGUFTensors(meta)
@@ -130,8 +141,12 @@ class ReferenceEngine(Engine):
 
         def place(t: torch.Tensor, group: str, role: str, names: Sequence[str]) -> torch.Tensor:
             """Move t to its planned home and book its bytes (file bytes of its source tensors)."""
-            if cuda:                    # a copy leaves the mapping: its pages can go
+            src_t = t
+            if cuda:
                 t = t.to(device) if role == "accelerator" else t.pin_memory()   # pinned: async H2D copies
+            elif huge:
+                t = hugepage_copy(t)
+            if t is not src_t:          # a copy leaves the mapping: its pages can go
                 for n in names:
                     src.release(n)
             ledger.add(group, role, sum(entries[n].n_bytes for n in names), tensor_bytes(t))
@@ -170,8 +185,10 @@ class ReferenceEngine(Engine):
         embd = acc("token_embd.weight")
         weights = ModelWeights(token_embd=embd, output_norm=acc("output_norm.weight", f32),
                                output=embd if cfg.tied_output else acc("output.weight"), layers=layers)
-        self.moe = MoEExecutor(experts, ocfg, device)
-        self.model = Transformer(cfg, weights, self.moe, s.n_ctx, device, dtype)
+        ext = self._decode_kernels(str(x.get("decode_matvec", "auto")), device, dtype)
+        self.moe = MoEExecutor(experts, ocfg, device, kernels=ext)
+        self.model = Transformer(cfg, weights, self.moe, s.n_ctx, device, dtype,
+                                 linear=DecodeLinear(ext) if ext is not None else torch.nn.functional.linear)
         ledger.add("kv_cache", "accelerator", 0, self.model.kv_bytes)
         ledger.add("staging", "accelerator", 0, self.moe.staging_bytes)
 
@@ -180,6 +197,24 @@ class ReferenceEngine(Engine):
         self.all_logits = bool(x.get("logits_all", False))
         self.pos, self._logits = 0, None
         self._dtype_name = dtype_name(dtype)
+
+    def _decode_kernels(self, asked: str, device, dtype):
+        """The compiled decode kernels, or None (ATen); sets self._matvec/_matvec_note for info()."""
+        import torch
+
+        from engines.reference import kernels
+        self._matvec, ext = "aten", None
+        if asked == "aten":
+            self._matvec_note = "asked for by decode_matvec=aten"
+        elif device.type != "cpu" or dtype != torch.bfloat16:
+            self._matvec_note = "the kernels are for bf16 compute on a CPU device"
+        else:
+            ext = kernels.load()
+            if isinstance(ext, str):
+                self._matvec_note, ext = ext, None
+            else:
+                self._matvec, self._matvec_note = "avx512bf16-kernel", "bf16 CPU decode: single-row products and routed experts"
+        return ext
 
     # --- running ------------------------------------------------------------------------------
 
@@ -243,6 +278,8 @@ class ReferenceEngine(Engine):
                 "arch": self.cfg.arch, "attention": "torch scaled_dot_product_attention", "file_dtype": self.stored, "compute_dtype": self._dtype_name,
                 "host_device": "cpu", "accelerator_device": str(self.device),
                 "cpu_moe_threads_rule": self._host_threads_rule,
+                "decode_matvec": self._matvec, "decode_matvec_note": self._matvec_note,
+                "weights_hugepages": self._huge,
                 "host_pinned": self.device.type == "cuda",
                 "placement_note": ("the accelerator part runs on the CPU: no CUDA device" if self.device.type != "cuda"
                                    else "host experts are page-locked; the rest is on the GPU"),

@@ -184,12 +184,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
 
 
 def attention(cfg: ModelConfig, lw: LayerWeights, qk_norm: torch.Tensor | None, Kc: torch.Tensor, Vc: torch.Tensor,
-              cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, pos: int, dtype: torch.dtype) -> torch.Tensor:
+              cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, pos: int, dtype: torch.dtype,
+              linear=F.linear) -> torch.Tensor:
     """x: (n, D) f32 residual -> attention output (n, D) f32, writing K/V into the layer's cache
-    Kc, Vc (Hkv, n_ctx, hd) at pos..pos+n-1. cos/sin: rope_tables; qk_norm: Transformer.qk_norm."""
+    Kc, Vc (Hkv, n_ctx, hd) at pos..pos+n-1. cos/sin: rope_tables; qk_norm: Transformer.qk_norm;
+    linear: F.linear or the decode kernel's drop-in (kernels.DecodeLinear)."""
     n, H, Hkv, hd = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
     h = F.rms_norm(x, (cfg.n_embd,), lw.attn_norm, cfg.rms_eps).to(dtype)
-    qkv = F.linear(h, lw.wqkv, lw.bqkv).float()                           # (n, q + 2kv)
+    qkv = linear(h, lw.wqkv, lw.bqkv).float()                             # (n, q + 2kv)
     if cfg.spec.qk_norm == "full":                                         # olmoe: over the whole projection
         q, k, v = qkv.split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
         qk = torch.cat((F.rms_norm(q, (cfg.q_dim,), lw.q_norm, cfg.rms_eps),
@@ -209,7 +211,7 @@ def attention(cfg: ModelConfig, lw: LayerWeights, qk_norm: torch.Tensor | None, 
         qg = q.view(Hkv, H // Hkv, hd)                                     # head h reads kv head h // (H/Hkv)
         att = torch.softmax((qg @ K.transpose(1, 2)).float() * hd ** -0.5, dim=-1)   # (Hkv, G, end)
         o = (att.to(Kc.dtype) @ V).reshape(1, cfg.q_dim)                  # (1, H*hd)
-        return F.linear(o.to(dtype), lw.wo).float()
+        return linear(o.to(dtype), lw.wo).float()
     q, K, V = q.transpose(0, 1)[None], K[None], V[None]                    # (1, H, n, hd), (1, Hkv, end, hd)
     if pos == 0:
         o = F.scaled_dot_product_attention(q, K, V, is_causal=True, enable_gqa=True)
@@ -233,19 +235,20 @@ def route(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Te
     return w, ids
 
 
-def shared_expert(lw: LayerWeights, h: torch.Tensor, hc: torch.Tensor) -> torch.Tensor:
+def shared_expert(lw: LayerWeights, h: torch.Tensor, hc: torch.Tensor, linear=F.linear) -> torch.Tensor:
     """qwen2moe's sigmoid-gated shared expert: h (n, D) f32, hc its compute-dtype copy -> (n, D) f32."""
     gate = torch.sigmoid(h @ lw.shexp_gate_inp)[:, None]                   # (n, 1)
-    a, b = F.linear(hc, lw.shexp_gate_up).chunk(2, dim=-1)                # (n, ff_sh) each
-    return gate * F.linear(F.silu(a) * b, lw.shexp_down).float()
+    a, b = linear(hc, lw.shexp_gate_up).chunk(2, dim=-1)                  # (n, ff_sh) each
+    return gate * linear(F.silu(a) * b, lw.shexp_down).float()
 
 
 class Transformer:
     """Weights + static KV cache. `moe(il, h, ids, w)` (engines.reference.offload) runs the experts."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, moe, n_ctx: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, linear=F.linear):
         self.cfg, self.w, self.moe, self.n_ctx, self.device, self.dtype = cfg, weights, moe, n_ctx, device, dtype
+        self.linear = linear    # F.linear, or kernels.DecodeLinear (bf16 single-row products on CPU)
         # KV cache (and attention math) in f32 on CPU: ATen's bf16 batched matmul has no fast kernel
         # (decode at 4K context: 1.6 ms vs 0.26 ms per layer for f32) and f32 SDPA prefill runs as fast
         # as bf16; on CUDA the cache uses the compute dtype.
@@ -269,7 +272,7 @@ class Transformer:
     def _attention(self, il: int, x: torch.Tensor, pos: int) -> torch.Tensor:
         qk_norm = self.qk_norm[il] if self.qk_norm else None
         return attention(self.cfg, self.w.layers[il], qk_norm, self.k_layers[il], self.v_layers[il],
-                         self.cos, self.sin, x, pos, self.dtype)
+                         self.cos, self.sin, x, pos, self.dtype, self.linear)
 
     def _ffn(self, il: int, x: torch.Tensor) -> torch.Tensor:
         """x: (n, D) f32 residual -> MoE output (n, D) f32 (plus qwen2moe's gated shared expert)."""
@@ -279,7 +282,7 @@ class Transformer:
         hc = h.to(self.dtype)
         out = self.moe(il, hc, ids, w)                                     # (n, D) f32
         if cfg.spec.shared_expert:
-            out = out + shared_expert(lw, h, hc)
+            out = out + shared_expert(lw, h, hc, self.linear)
         return out
 
     def forward(self, tokens: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
@@ -292,7 +295,7 @@ class Transformer:
         if not all_logits:
             x = x[-1:]
         x = F.rms_norm(x, (self.cfg.n_embd,), self.w.output_norm, self.cfg.rms_eps).to(self.dtype)
-        return F.linear(x, self.w.output).float()                           # (n|1, V)
+        return self.linear(x, self.w.output).float()                        # (n|1, V)
 
 
 def prefill(model: Transformer, tokens: torch.Tensor, pos: int, n_ubatch: int, all_logits: bool) -> torch.Tensor:
@@ -313,7 +316,9 @@ def decode(model: Transformer, token: torch.Tensor, pos: int) -> torch.Tensor:
     What bounds decode on the `small` preset (2 Zen4 threads): the ~100 GEMVs of a step take ~5 ms
     (ATen's bf16 GEMV is compute-bound at ~20 GB/s a core, ~27 GB/s for 2 threads on 1-2 MB expert
     matrices; DRAM gives >50), the remaining ~2 ms is per-op overhead. torch.compile of a whole
-    decode layer (inductor, cpp_wrapper) was measured at 4-8% faster for ~25 s of compile: not used."""
+    decode layer (inductor, cpp_wrapper) was measured at 4-8% faster for ~25 s of compile: not used.
+    With bf16 compute on an avx512_bf16 CPU, model.linear and the MoE executor run single rows through
+    engines.reference.kernels instead (AVX512-BF16 GEMV, weights on huge pages: ~45 GB/s)."""
     with onednn(False):
         return model.forward(token, pos, all_logits=True)
 

@@ -117,8 +117,9 @@ def num_threads(n: int):
 class MoEExecutor:
     """Runs layer il's routed experts for a batch, on the path the placement and batch size select."""
 
-    def __init__(self, layers: list[ExpertLayer], cfg: OffloadConfig, device: torch.device):
+    def __init__(self, layers: list[ExpertLayer], cfg: OffloadConfig, device: torch.device, kernels=None):
         self.layers, self.cfg, self.device = layers, cfg, device
+        self.kernels = kernels      # engines.reference.kernels extension (bf16 CPU decode) or None
         self.cuda = device.type == "cuda"
         self.counters = Counters()
         self.staging: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -157,6 +158,9 @@ class MoEExecutor:
         path = self.path_for(il, x.shape[0])
         self.counters.calls[path] += 1
         layer = self.layers[il]
+        if self.kernels is not None and x.shape[0] == 1 and path != "stream":   # CPU bf16 decode: one call
+            with num_threads(self.cfg.host_threads if path == "host" else self.cfg.threads):
+                return self.kernels.moe_decode(x, layer.gate_up, layer.down, ids, w)
         if path == "resident":
             return grouped_experts(x, ids, w, layer.experts)
         if path == "host":
