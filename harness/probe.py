@@ -119,18 +119,19 @@ def load_profile(hostname: str | None = None) -> dict | None:
 
 
 def stored_or_quick() -> dict:
-    """For run.json: the stored profile, else a quick one (~1 s) that is stored for the next sweep."""
+    """For run.json: the stored profile, else a full one (a few seconds) that is stored for the next sweep."""
     p = load_profile()
     if p is None:
-        p = measure(quick=True)
+        p = measure()
         save_profile(p)
     return p
 
 
 def figure(profile: dict | None, name: str) -> float:
-    """Median of one figure, NaN when the profile lacks it."""
+    """The best repetition of one figure (a ceiling: other load only ever slows a repetition down),
+    NaN when the profile lacks it."""
     try:
-        return float(profile["figures"][name]["median"])
+        return float(profile["figures"][name]["max"])
     except (KeyError, TypeError):
         return float("nan")
 

@@ -45,7 +45,8 @@ def render(rows: list[dict], fmt: str = "table", title: str = "", out: str | Pat
         for r in rows:
             t.add_row(*(escape(_cell(v)) for v in r.values()))    # GGUF strings are not rich markup
         if out is None:
-            Console(width=max(120, Console().width)).print(t)
+            console = Console()
+            Console(width=console.width if console.is_terminal else 200).print(t)   # pipes/logs: no wrapping
             return
         with open(out, "w") as f:
             Console(file=f, width=200).print(t)

@@ -21,7 +21,7 @@ def test_profile_is_stored_per_host_under_moebench_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEBENCH_CACHE", str(tmp_path))
     assert probe.load_profile() is None
     p = {"schema_version": probe.SCHEMA, "hostname": "box1", "threads": 2,
-         "figures": {"host_read_gbps": {"median": 12.5}}}
+         "figures": {"host_read_gbps": {"max": 12.5}}}
     path = probe.save_profile(p)
     assert path == tmp_path / "hardware" / "box1.json"
     assert probe.load_profile("box1") == p
@@ -45,7 +45,7 @@ def test_sweep_embeds_the_stored_profile_in_run_json(tiny, tmp_path):
     (cache / "hardware").mkdir(parents=True)
     import socket
     stored = {"schema_version": probe.SCHEMA, "hostname": socket.gethostname(), "threads": 2, "cores_physical": 2,
-              "figures": {"host_read_gbps": {"median": 7.0}, "cpu_matmul_fp32_gflops": {"median": 50.0}}}
+              "figures": {"host_read_gbps": {"max": 7.0}, "cpu_matmul_fp32_gflops": {"max": 50.0}}}
     (cache / "hardware" / f"{socket.gethostname()}.json").write_text(json.dumps(stored))
     r = moebench("sweep", "-m", tiny, "-e", "llama-cpp", "--n-cpu-moe", "0", "-w", "pp16,tg4", "-r", "1",
                  "--threads", "2", "--results-dir", tmp_path / "res", "--format", "csv",

@@ -86,7 +86,7 @@ def test_a_failed_cell_is_shown_and_never_recommended(meta, tmp_path):
 
 def test_predictions_are_capped_by_the_roofline(meta, tmp_path):
     # CPU-only profile: decode bound = 0.1 GB/s / bytes per token ~ 47 tok/s at every depth
-    prof = {"threads": 2, "cores_physical": 2, "figures": {"host_read_gbps": {"median": 0.1}}}
+    prof = {"threads": 2, "cores_physical": 2, "figures": {"host_read_gbps": {"max": 0.1}}}
     run = make_run(tmp_path / "r", meta, {0: ("ok", {"tg8": [50]}), 2: ("ok", {"tg8": [40]})}, prof)
     _, r = rec(meta, [run])
     cap = r.rows[1].bound["decode"]
