@@ -100,12 +100,15 @@ class ExternalEngine(Engine):
             raise ExternalError(f"{self.binary_name} {how}; output tail: {tail(done.output) or '(none)'}")
         return done
 
-    # The binary runs whole workloads; the worker never calls these for an engine with measure().
+    # The binary runs whole workloads (measure()); the worker never steps such an engine token by token.
+    def _not_stepwise(self) -> None:
+        raise RuntimeError(f"{self.name} times whole workloads itself (Engine.measure); it cannot be stepped")
+
     def reset(self) -> None:
-        raise NotImplementedError(f"{self.name} times whole workloads itself (Engine.measure)")
+        self._not_stepwise()
 
     def prefill(self, tokens) -> None:
-        raise NotImplementedError(f"{self.name} times whole workloads itself (Engine.measure)")
+        self._not_stepwise()
 
     def decode(self, token: int) -> None:
-        raise NotImplementedError(f"{self.name} times whole workloads itself (Engine.measure)")
+        self._not_stepwise()
