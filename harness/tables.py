@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -46,7 +47,8 @@ def render(rows: list[dict], fmt: str = "table", title: str = "", out: str | Pat
             t.add_row(*(escape(_cell(v)) for v in r.values()))    # GGUF strings are not rich markup
         if out is None:
             console = Console()
-            Console(width=console.width if console.is_terminal else 200).print(t)   # pipes/logs: no wrapping
+            wide = console.is_terminal or "COLUMNS" in os.environ    # else a pipe/log: 200 columns, no wrapping
+            (console if wide else Console(width=200)).print(t)
             return
         with open(out, "w") as f:
             Console(file=f, width=200).print(t)

@@ -130,7 +130,7 @@ def test_missing_binary_and_unsupported_workload_fail_cells_and_the_sweep_goes_o
     r = moebench("sweep", "-m", tiny, "-e", "tensorsharp,llama-cpp", "--tensorsharp", tmp_path / "nope" / "TensorSharp.Cli",
                  "-w", "pp16", "-r", "1", "--threads", "2", "--results-dir", tmp_path / "a")
     assert r.returncode == 0, r.stderr
-    cells = pd.read_csv(next((tmp_path / "a").iterdir()) / "cells.csv").set_index("engine")
+    cells = pd.read_csv(next(d for d in (tmp_path / "a").iterdir() if d.is_dir()) / "cells.csv").set_index("engine")
     assert cells.loc["llama-cpp", "status"] == "ok" and cells.loc["tensorsharp", "status"] == "failed"
     assert "TensorSharp.Cli binary" in cells.loc["tensorsharp", "error"] and "does not exist" in cells.loc["tensorsharp", "error"]
     _, cells, _ = _sweep(tiny, tmp_path / "b", ["pp16@d32"])
