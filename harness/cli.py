@@ -101,8 +101,8 @@ def cli() -> None:
 @OUTPUT
 @user_errors
 def sweep(models, engines, depths, cpu_moe, workloads, repetitions, threads, n_ctx, n_batch, n_ubatch, flash_attn,
-          timeout, sample_ms, cpu_moe_threads, moe_stream_min_batch, llama_bench, tensorsharp, seed, results_dir, resume, strict, interleave, ray_address,
-          per_node, fmt, output):
+          timeout, sample_ms, cpu_moe_threads, moe_stream_min_batch, llama_bench, tensorsharp, seed, results_dir,
+          resume, strict, interleave, ray_address, per_node, fmt, output):
     """Run every engine x model x depth cell, each in its own process, and write tidy results."""
     from harness.progress import sweep_with_progress
     from harness.spec import SweepSpec, split_list
@@ -130,11 +130,11 @@ def sweep(models, engines, depths, cpu_moe, workloads, repetitions, threads, n_c
 
 def show_run(run_dir: Path, fmt: str = "table", output: str | None = None) -> None:
     from harness import results
+    from harness.roofline import annotate
     from harness.tables import render
 
     run, cells, meas, _ = results.load_frames(run_dir)
     summary = results.summarize(cells, meas)
-    from harness.roofline import annotate
     summary = annotate(cells, summary, run.get("hardware_profile"))    # bound_tps, fraction (NaN without a profile)
     many_models = summary["model_name"].nunique() > 1
     rows = []
