@@ -48,6 +48,22 @@ def test_matvec_matches_f32_linear(ext):
         ext.matvec(x, W.t())                            # transposed views are refused, not misread
 
 
+def test_rms_norm_matches_aten(ext):
+    if ext is None:
+        return
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 1024, generator=g) * 3
+    w = torch.randn(1024, generator=g)
+    torch.testing.assert_close(ext.rms_norm(x, w, 1e-6), F.rms_norm(x, (1024,), w, 1e-6), rtol=1e-6, atol=1e-6)
+    qk = torch.randn(1, 20, 64, generator=g)          # per-head norm: rows of the last dim, no weight
+    torch.testing.assert_close(ext.rms_norm(qk, None, 1e-5), F.rms_norm(qk, (64,), None, 1e-5), rtol=1e-6, atol=1e-6)
+    norm = kernels.DecodeNorm(ext)
+    many = torch.randn(7, 1024, generator=g)          # batches go to ATen, same results
+    torch.testing.assert_close(norm(many, (1024,), w, 1e-6), F.rms_norm(many, (1024,), w, 1e-6))
+    with pytest.raises(RuntimeError, match="w: "):
+        ext.rms_norm(x, w[:10], 1e-6)                 # a weight of the wrong size is refused, not misread
+
+
 def test_moe_decode_matches_f32_experts(ext):
     if ext is None:
         return

@@ -185,22 +185,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
 
 def attention(cfg: ModelConfig, lw: LayerWeights, qk_norm: torch.Tensor | None, Kc: torch.Tensor, Vc: torch.Tensor,
               cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, pos: int, dtype: torch.dtype,
-              linear=F.linear) -> torch.Tensor:
+              linear=F.linear, norm=F.rms_norm) -> torch.Tensor:
     """x: (n, D) f32 residual -> attention output (n, D) f32, writing K/V into the layer's cache
     Kc, Vc (Hkv, n_ctx, hd) at pos..pos+n-1. cos/sin: rope_tables; qk_norm: Transformer.qk_norm;
-    linear: F.linear or the decode kernel's drop-in (kernels.DecodeLinear)."""
+    linear, norm: F.linear and F.rms_norm, or the decode kernels' drop-ins (kernels.DecodeLinear/DecodeNorm)."""
     n, H, Hkv, hd = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
-    h = F.rms_norm(x, (cfg.n_embd,), lw.attn_norm, cfg.rms_eps).to(dtype)
+    h = norm(x, (cfg.n_embd,), lw.attn_norm, cfg.rms_eps).to(dtype)
     qkv = linear(h, lw.wqkv, lw.bqkv).float()                             # (n, q + 2kv)
     if cfg.spec.qk_norm == "full":                                         # olmoe: over the whole projection
         q, k, v = qkv.split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
-        qk = torch.cat((F.rms_norm(q, (cfg.q_dim,), lw.q_norm, cfg.rms_eps),
-                        F.rms_norm(k, (cfg.kv_dim,), lw.k_norm, cfg.rms_eps)), dim=-1)
+        qk = torch.cat((norm(q, (cfg.q_dim,), lw.q_norm, cfg.rms_eps),
+                        norm(k, (cfg.kv_dim,), lw.k_norm, cfg.rms_eps)), dim=-1)
     else:
         qk, v = qkv.split((cfg.q_dim + cfg.kv_dim, cfg.kv_dim), dim=-1)
     qk = qk.view(n, H + Hkv, hd)                                           # q heads, then k heads
     if cfg.spec.qk_norm == "head":                                         # qwen3moe: per head
-        qk = F.rms_norm(qk, (hd,), None, cfg.rms_eps) * qk_norm
+        qk = norm(qk, (hd,), None, cfg.rms_eps) * qk_norm
     qk = apply_rope(qk, cos[pos:pos + n, None, :], sin[pos:pos + n, None, :], cfg.spec.rope_neox).to(Kc.dtype)
     q, k = qk[:, :H], qk[:, H:]                                            # (n, H, hd), (n, Hkv, hd)
     end = pos + n
@@ -246,9 +246,10 @@ class Transformer:
     """Weights + static KV cache. `moe(il, h, ids, w)` (engines.reference.offload) runs the experts."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, moe, n_ctx: int,
-                 device: torch.device, dtype: torch.dtype, linear=F.linear):
+                 device: torch.device, dtype: torch.dtype, linear=F.linear, norm=F.rms_norm):
         self.cfg, self.w, self.moe, self.n_ctx, self.device, self.dtype = cfg, weights, moe, n_ctx, device, dtype
         self.linear = linear    # F.linear, or kernels.DecodeLinear (bf16 single-row products on CPU)
+        self.norm = norm        # F.rms_norm, or kernels.DecodeNorm (single-token rows on CPU)
         # KV cache (and attention math) in f32 on CPU: ATen's bf16 batched matmul has no fast kernel
         # (decode at 4K context: 1.6 ms vs 0.26 ms per layer for f32) and f32 SDPA prefill runs as fast
         # as bf16; on CUDA the cache uses the compute dtype.
@@ -272,12 +273,12 @@ class Transformer:
     def _attention(self, il: int, x: torch.Tensor, pos: int) -> torch.Tensor:
         qk_norm = self.qk_norm[il] if self.qk_norm else None
         return attention(self.cfg, self.w.layers[il], qk_norm, self.k_layers[il], self.v_layers[il],
-                         self.cos, self.sin, x, pos, self.dtype, self.linear)
+                         self.cos, self.sin, x, pos, self.dtype, self.linear, self.norm)
 
     def _ffn(self, il: int, x: torch.Tensor) -> torch.Tensor:
         """x: (n, D) f32 residual -> MoE output (n, D) f32 (plus qwen2moe's gated shared expert)."""
         cfg, lw = self.cfg, self.w.layers[il]
-        h = F.rms_norm(x, (cfg.n_embd,), lw.ffn_norm, cfg.rms_eps)        # (n, D) f32
+        h = self.norm(x, (cfg.n_embd,), lw.ffn_norm, cfg.rms_eps)         # (n, D) f32
         w, ids = route(cfg, lw, h)                                         # (n, k) each
         hc = h.to(self.dtype)
         out = self.moe(il, hc, ids, w)                                     # (n, D) f32
@@ -294,7 +295,7 @@ class Transformer:
             x = x + self._ffn(il, x)
         if not all_logits:
             x = x[-1:]
-        x = F.rms_norm(x, (self.cfg.n_embd,), self.w.output_norm, self.cfg.rms_eps).to(self.dtype)
+        x = self.norm(x, (self.cfg.n_embd,), self.w.output_norm, self.cfg.rms_eps).to(self.dtype)
         return self.linear(x, self.w.output).float()                        # (n|1, V)
 
 
