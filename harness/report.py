@@ -10,7 +10,6 @@ import base64
 import html
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,20 +17,11 @@ import click
 
 from engines.base import UserError
 from harness.cli import FORMAT, user_errors
+from harness.tables import md_escape
 
 A_PREFERRED, B_PREFERRED = ("tensorsharp", "reference"), ("llama-bench", "llama-cpp")
 SETTINGS = ["n_ctx", "n_batch", "n_ubatch", "threads", "flash_attn", "device", "dtype", "mmap", "extra",
             "expert_host_fraction", "expert_bytes_host", "host", "node"]
-MD_SPECIAL = re.compile(r"([\\`*_\[\]<>~&|])")      # emphasis, code, links, raw HTML, entities, tables
-
-
-def md_escape(text, pipe: bool = True) -> str:
-    """Backslash-escape Markdown/HTML punctuation (CommonMark allows it before any ASCII punctuation).
-    pipe=False inside tables.markdown, which escapes | itself."""
-    s = MD_SPECIAL.sub(r"\\\1", str(text)).replace("\n", " ")
-    return s if pipe else s.replace("\\|", "|")
-
-
 @dataclass
 class P:
     """A paragraph: a trusted template with untrusted fields, escaped per output format."""
@@ -58,11 +48,7 @@ class Report:
             render([r for _, rows in self.tables[:1] for r in rows], fmt)    # the published-layout rows
             return
         for title, rows in self.tables:
-            shown = display(rows)
-            if fmt == "md":
-                shown = [{md_escape(k): md_escape(v, pipe=False) for k, v in r.items()} for r in shown]
-                title = md_escape(title)
-            render(shown, fmt, title)
+            render(display(rows), fmt, title)      # md: tables.markdown escapes every cell
 
 
 def load_runs(run_dirs: list[Path]):
@@ -257,8 +243,7 @@ def to_markdown(rep: Report) -> str:
         elif blk[0] == "p":
             out.append(blk[1].md())
         elif blk[0] == "table":
-            rows = [{md_escape(k): md_escape(v, pipe=False) for k, v in r.items()} for r in blk[2]]
-            out.append(f"**{blk[1].md()}**\n\n" + markdown(rows).rstrip())
+            out.append(f"**{blk[1].md()}**\n\n" + markdown(blk[2]).rstrip())
         else:
             out.append(f"![{blk[2].md()}]({blk[1].name})")
     return "\n\n".join(out) + "\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -16,13 +17,21 @@ def _cell(v) -> str:
     return "" if v is None else str(v)
 
 
+MD_SPECIAL = re.compile(r"([\\`*_\[\]<>~&|])")      # emphasis, code, links, raw HTML, entities, tables
+
+
+def md_escape(text) -> str:
+    """Backslash-escape Markdown/HTML punctuation (CommonMark allows it before any ASCII punctuation):
+    model names and other strings come from GGUF metadata, which is untrusted."""
+    return MD_SPECIAL.sub(r"\\\1", str(text)).replace("\n", " ")
+
+
 def markdown(rows: list[dict]) -> str:
     if not rows:
         return "_no rows_\n"
     cols = list(rows[0])
-    esc = lambda s: _cell(s).replace("|", "\\|").replace("\n", " ")
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(esc(r.get(c)) for c in cols) + " |" for r in rows]
+    lines = ["| " + " | ".join(md_escape(c) for c in cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(md_escape(_cell(r.get(c))) for c in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -35,7 +44,7 @@ def render(rows: list[dict], fmt: str = "table", title: str = "", out: str | Pat
         import pandas as pd
         text = pd.DataFrame(rows).to_csv(index=False)
     elif fmt == "md":
-        text = (f"### {title}\n\n" if title else "") + markdown(rows)
+        text = (f"### {md_escape(title)}\n\n" if title else "") + markdown(rows)
     else:
         from rich.console import Console
         from rich.markup import escape
