@@ -23,3 +23,8 @@ def moebench(*args, env: dict | None = None, timeout: float = 300) -> subprocess
                                                                  "PYTHONPATH": str(ROOT)} | (env or {})
     return subprocess.run([sys.executable, "-m", "harness", *map(str, args)], capture_output=True, text=True,
                           env=e, cwd=ROOT, timeout=timeout)
+
+
+def run_dir_of(result: subprocess.CompletedProcess) -> Path:
+    """The run directory a `moebench sweep` printed last on stderr ("results: DIR")."""
+    return Path(result.stderr.strip().splitlines()[-1].removeprefix("results: "))

@@ -18,7 +18,7 @@ import pandas as pd
 import psutil
 import pytest
 
-from tests.conftest import FAULTS, ROOT, moebench
+from tests.conftest import FAULTS, ROOT, moebench, run_dir_of
 
 
 
@@ -79,9 +79,6 @@ def cluster():
         psutil.wait_procs(cluster_processes(tmp), timeout=10)
         shutil.rmtree(tmp, ignore_errors=True)
 
-
-def run_dir_of(result) -> Path:
-    return Path(result.stderr.strip().splitlines()[-1].removeprefix("results: "))
 
 
 def frames(run: Path):

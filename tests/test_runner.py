@@ -6,11 +6,8 @@ import time
 
 import pandas as pd
 
-from tests.conftest import FAULTS, ROOT, moebench
+from tests.conftest import FAULTS, ROOT, moebench, run_dir_of
 
-
-def run_dir_of(result) -> str:
-    return result.stderr.strip().splitlines()[-1].removeprefix("results: ")
 
 
 def test_failures_become_rows_and_the_sweep_goes_on(tiny, tmp_path):
