@@ -22,6 +22,7 @@ from engines.base import UserError
 from harness import hardware, results
 from harness.sampler import NAN, Nvml, Sampler, peaks
 from harness.spec import Cell, SweepSpec, expand
+from workloads.grammar import parse_workloads
 
 ROOT = Path(__file__).resolve().parent.parent
 LOG_TAIL = 2000
@@ -148,15 +149,14 @@ def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str) -> tuple[d
     if status != "ok":
         error = f"{error} | log tail: {_tail(log)[-600:]}" if _tail(log) else error
 
-    row = cell_row(cell, run_id, status, error, loaded, wall_s, peaks(samples) if samples else (NAN, NAN))
+    row = cell_row(cell, run_id, status, error, loaded, wall_s, peaks(samples))
     s, meta = cell.settings, cell.meta
-    phase_peaks: dict[str, tuple[float, float]] = {}
+    workloads = {w.name: w for w in parse_workloads(",".join(spec.workloads))}
+    phase_peaks = {name: peaks(samples, name) for name in workloads}    # per workload's timed phase
     rows = []
     for m in (m for m in msgs if m["type"] == "rep"):
         wl = m["workload"]
-        if wl not in phase_peaks:
-            phase_peaks[wl] = peaks([x for x in samples if x["phase"] == wl]) if samples else (NAN, NAN)
-        w = next(x for x in _workloads(spec) if x.name == wl)
+        w = workloads[wl]
         rows.append({"run_id": run_id, "cell_id": cell.cell_id, "engine": cell.engine, "model_name": meta.name,
                      "model_fingerprint": meta.fingerprint, "n_cpu_moe": s.n_cpu_moe, "workload": wl,
                      "n_prompt": w.n_prompt, "n_gen": w.n_gen, "n_depth": w.n_depth, "rep": m["rep"], "ns": m["ns"],
@@ -165,11 +165,6 @@ def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str) -> tuple[d
                      "flash_attn": s.flash_attn, "peak_rss_mib": phase_peaks[wl][0], "peak_vram_mib": phase_peaks[wl][1]})
     sample_rows = [{"run_id": run_id, "cell_id": cell.cell_id, **x} for x in samples]
     return row, rows, sample_rows
-
-
-def _workloads(spec: SweepSpec):
-    from workloads.grammar import parse_workloads
-    return parse_workloads(",".join(spec.workloads))
 
 
 def _hardware_profile() -> dict | None:

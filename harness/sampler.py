@@ -118,10 +118,10 @@ class Sampler(threading.Thread):
         return self.samples
 
 
-def peaks(samples: list[dict], phase_prefix: str | None = None) -> tuple[float, float]:
-    """(peak RSS MiB, peak VRAM MiB) over samples whose phase starts with phase_prefix (all if None).
+def peaks(samples: list[dict], phase: str | None = None) -> tuple[float, float]:
+    """(peak RSS MiB, peak VRAM MiB) over the samples of one phase (all if None); NaN when none.
     VRAM prefers the per-process figure and falls back to the device delta; NaN without a GPU."""
-    sel = [s for s in samples if phase_prefix is None or s["phase"].startswith(phase_prefix)]
+    sel = [s for s in samples if phase is None or s["phase"] == phase]
     rss = max((s["rss_mib"] for s in sel), default=NAN)
     vram = [s["vram_proc_mib"] if s["vram_proc_mib"] == s["vram_proc_mib"] and s["vram_proc_mib"] > 0
             else s["vram_device_mib"] for s in sel]
