@@ -88,7 +88,7 @@ class Sampler(threading.Thread):
         alive = []
         for pid in self.pids:
             st = _proc_kib(pid, "status", ("VmRSS", "RssAnon", "RssFile"))
-            if st is None:
+            if not st or "VmRSS" not in st:      # gone, or a zombie (exited, not yet reaped: no Vm* lines)
                 continue
             alive.append(pid)
             rss, anon, file_ = rss + st.get("VmRSS", 0), anon + st.get("RssAnon", 0), file_ + st.get("RssFile", 0)

@@ -1,5 +1,6 @@
 """The memory sampler against real processes that allocate known amounts."""
 import math
+import psutil
 import subprocess
 import sys
 import time
@@ -57,3 +58,14 @@ def test_sampler_survives_the_process_exiting():
     assert s.sample() is None                      # gone: no row, no exception
     samples = s.stop()
     assert len(samples) >= 5 and all(x["rss_mib"] > 1 for x in samples)
+
+
+def test_sampler_skips_a_zombie():
+    """An exited child not yet reaped keeps /proc/<pid>/status but has no VmRSS: no 0-MiB row."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    while psutil.Process(p.pid).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.01)
+    try:
+        assert Sampler(p.pid).sample() is None
+    finally:
+        p.wait()
