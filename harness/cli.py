@@ -94,6 +94,9 @@ def cli() -> None:
 @click.option("--strict", is_flag=True, help="Exit 1 if any cell failed.")
 @click.option("--interleave", is_flag=True,
               help="A/B: exactly two engine specs (NAME[@KEY=VALUE]...), measured turn by turn (see README).")
+@click.option("--rounds", type=int, default=None,
+              help="With --interleave: split the repetitions over this many fresh pairs of arm processes "
+                   "(default min(5, repetitions)), so one process's speed does not decide a verdict.")
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
               help="Run the cells on a Ray cluster: auto (RAY_ADDRESS or the local cluster) or ray://HOST:PORT.")
 @click.option("--per-node", is_flag=True, help="With --ray: every node runs every cell (compare hardware).")
@@ -102,7 +105,7 @@ def cli() -> None:
 @user_errors
 def sweep(models, engines, depths, cpu_moe, workloads, repetitions, threads, n_ctx, n_batch, n_ubatch, flash_attn,
           timeout, sample_ms, cpu_moe_threads, moe_stream_min_batch, llama_bench, tensorsharp, seed, results_dir,
-          resume, strict, interleave, ray_address, per_node, fmt, output):
+          resume, strict, interleave, rounds, ray_address, per_node, fmt, output):
     """Run every engine x model x depth cell, each in its own process, and write tidy results."""
     from harness.progress import sweep_with_progress
     from harness.spec import SweepSpec, split_list
@@ -116,7 +119,9 @@ def sweep(models, engines, depths, cpu_moe, workloads, repetitions, threads, n_c
                      depths=["all"] if cpu_moe else split_list(depths), workloads=split_list(workloads),
                      repetitions=repetitions, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, flash_attn=flash_attn,
                      timeout_s=timeout, sample_ms=sample_ms, seed=seed, extra=extra, ray=ray_address,
-                     per_node=per_node, **({"threads": threads} if threads else {}))
+                     per_node=per_node, rounds=rounds, **({"threads": threads} if threads else {}))
+    if rounds is not None and not interleave:
+        raise UserError("--rounds applies only to --interleave sweeps; add --interleave or drop --rounds.")
     if interleave:
         from harness.interleave import run_interleaved
         run_dir, failed = run_interleaved(spec, Path(results_dir), Path(resume) if resume else None)

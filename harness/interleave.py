@@ -13,6 +13,12 @@ byte through a named pipe per arm; when an arm ends (or dies), the parent hands 
 tokens to finish alone. The result is one normal run directory; cell ids carry the arm (`A/...`,
 `B/...`) and run.json["interleave"] names the arms, so `moebench compare RUN:A RUN:B` splits it.
 --timeout applies to each arm as usual, time spent waiting for its turn included.
+
+Interleaving removes machine drift but not the difference between two processes: on a 2-core VM one
+process ran the same work 3-4 % faster than another, which alone can look like a regression. So the
+repetitions are split over `rounds` (default min(5, repetitions)): every round starts both arms in fresh
+processes, and the arm that goes first alternates. Each arm still yields one cell (reps numbered
+across rounds, samples on one time axis, the cell row's status the first failure, peaks the maximum).
 """
 from __future__ import annotations
 
@@ -119,8 +125,9 @@ def _flood(fd: int, n: int) -> None:
         pass
 
 
-def run_pair(cells: dict[str, ArmCell], specs: dict[str, SweepSpec], run_dir: Path) -> dict[str, tuple]:
-    """Run arms A and B of one model x depth turn by turn; returns {arm: (cell row, measurements, samples)}."""
+def run_pair(cells: dict[str, ArmCell], specs: dict[str, SweepSpec], run_dir: Path, first: str = "A") -> dict[str, tuple]:
+    """Run arms A and B of one model x depth turn by turn, `first` starting; returns
+    {arm: (cell row, measurements, samples)}."""
     from harness.runner import run_cell
 
     out: dict[str, tuple] = {}
@@ -130,7 +137,7 @@ def run_pair(cells: dict[str, ArmCell], specs: dict[str, SweepSpec], run_dir: Pa
             os.mkfifo(path)
         # the parent keeps both pipes open, so a queued token survives until its arm reads it
         fds = {a: os.open(p, os.O_RDWR) for a, p in fifo.items()}
-        os.write(fds["A"], b".")                   # A goes first
+        os.write(fds[first], b".")
         other = {"A": "B", "B": "A"}
 
         def arm(a: str) -> None:
@@ -162,6 +169,35 @@ def run_pair(cells: dict[str, ArmCell], specs: dict[str, SweepSpec], run_dir: Pa
         if isinstance(row["effective_settings"].get("extra"), dict):
             row["effective_settings"]["extra"].pop(GATE_KEY, None)
     return out
+
+
+def round_sizes(repetitions: int, rounds: int | None) -> list[int]:
+    """Repetitions per round: `rounds` (default min(5, repetitions)) nearly equal parts, larger first."""
+    k = min(repetitions, rounds or 5)
+    return [repetitions // k + (i < repetitions % k) for i in range(k)]
+
+
+def _join_rounds(parts: list[tuple]) -> tuple[dict, list[dict], list[dict]]:
+    """One arm's rounds -> one cell: reps renumbered, samples shifted onto one time axis."""
+    import math
+
+    rows, meas, samples = [p[0] for p in parts], [], []
+    done, t0 = {}, 0.0
+    for _, ms, ss in parts:
+        for m in ms:
+            meas.append(m | {"rep": done.get(m["workload"], 0) + m["rep"]})
+        for m in ms:
+            done[m["workload"]] = done.get(m["workload"], 0) + 1
+        samples += [x | {"t_ms": x["t_ms"] + t0} for x in ss]
+        t0 = samples[-1]["t_ms"] if samples else t0
+    row = dict(rows[-1])
+    bad = next((r for r in rows if r["status"] != "ok"), None)
+    if bad:
+        row["status"], row["error"] = bad["status"], bad["error"]
+    row["wall_s"] = sum(r["wall_s"] for r in rows)
+    for col in ("peak_rss_mib", "peak_vram_mib"):
+        row[col] = max((r[col] for r in rows if not math.isnan(r[col])), default=math.nan)
+    return row, meas, samples
 
 
 def _stop_workers() -> None:
@@ -200,6 +236,7 @@ def run_interleaved(spec: SweepSpec, results_dir: Path, resume: Path | None = No
     if len(spec.engines) != 2:
         raise UserError(f"--interleave needs exactly two engine specs, got {len(spec.engines)}; "
                         "pass e.g. -e llama-cpp,llama-cpp@threads=1.")
+    sizes = round_sizes(spec.repetitions, spec.rounds)
     if getattr(spec, "ray", None) or getattr(spec, "per_node", False):
         raise UserError("--interleave runs both arms on this machine, side by side; drop --ray/--per-node.")
     es = dict(zip(ARMS, (parse_engine_spec(e) for e in spec.engines)))
@@ -214,14 +251,22 @@ def run_interleaved(spec: SweepSpec, results_dir: Path, resume: Path | None = No
     differs = _differs(cells["A"][0], cells["B"][0])
     run = {"schema_version": results.SCHEMA_VERSION, "run_id": run_dir.name, "spec": spec.to_dict(),
            "started": datetime.now(timezone.utc).isoformat(), "host": hardware.fingerprint(), "argv": sys.argv,
-           "interleave": {"A": es["A"].text, "B": es["B"].text, "differs": differs}}
+           "interleave": {"A": es["A"].text, "B": es["B"].text, "differs": differs, "rounds": sizes}}
     (run_dir / "run.json").write_text(json.dumps(run, indent=2, default=str))
     failed = 0
     pairs = list(zip(cells["A"], cells["B"]))
     for i, (ca, cb) in enumerate(pairs):
         arm_cells = {a: ArmCell(**{f.name: getattr(c, f.name) for f in dataclasses.fields(Cell)}, arm=a)
                      for a, c in (("A", ca), ("B", cb))}
-        out = run_pair(arm_cells, specs, run_dir)
+        parts: dict[str, list] = {a: [] for a in ARMS}
+        for k, reps in enumerate(sizes):
+            out = run_pair(arm_cells, {a: dataclasses.replace(specs[a], repetitions=reps) for a in ARMS}, run_dir,
+                           first=ARMS[k % 2])
+            for a in ARMS:
+                parts[a].append(out[a])
+            if any(out[a][0]["status"] != "ok" for a in ARMS):
+                break
+        out = {a: _join_rounds(parts[a]) for a in ARMS}
         for file, idx in (("measurements.csv", 1), ("samples.csv", 2), ("cells.csv", 0)):   # cells last
             results.append_rows(run_dir, file, [r for a in ARMS for r in ([out[a][0]] if idx == 0 else out[a][idx])])
         status = {a: out[a][0]["status"] for a in ARMS}

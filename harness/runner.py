@@ -91,7 +91,7 @@ def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str) -> tuple[d
     r, w = os.pipe()
     env["MOEBENCH_FD"] = str(w)
     started = time.perf_counter()
-    with open(log, "wb") as logf:
+    with open(log, "ab") as logf:          # a cell run again (--resume, interleave rounds) keeps the earlier log
         proc = subprocess.Popen([sys.executable, "-m", "harness.worker"], stdin=subprocess.PIPE, stdout=logf,
                                 stderr=subprocess.STDOUT, pass_fds=(w,), env=env, cwd=ROOT, start_new_session=True)
     os.close(w)

@@ -36,6 +36,7 @@ class SweepSpec:
     extra: dict = field(default_factory=dict)   # engine-specific knobs, e.g. cpu_moe_threads
     ray: str | None = None                  # Ray address (auto | ray://host:port): cells run on the cluster
     per_node: bool = False                  # with ray: every node runs every cell
+    rounds: int | None = None               # with --interleave: fresh arm processes this often (None: min(5, reps))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,6 +70,8 @@ def expand(spec: SweepSpec) -> list[Cell]:
     """Every cell of the sweep, after checking every input; raises UserError on the first bad one."""
     if spec.repetitions < 1:
         raise UserError(f"--repetitions {spec.repetitions} must be at least 1.")
+    if spec.rounds is not None and spec.rounds < 1:
+        raise UserError(f"--rounds {spec.rounds} must be at least 1.")
     if spec.threads < 1:
         raise UserError(f"--threads {spec.threads} must be at least 1.")
     if spec.flash_attn not in ("on", "off", "auto"):

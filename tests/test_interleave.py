@@ -3,6 +3,7 @@ the run layout compare splits, and end-to-end verdicts on the tiny model under a
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -18,14 +19,14 @@ STAMP = {"MOEBENCH_ENGINES": FAULTS + ",stamp=tests.test_interleave:StampEngine"
 
 class StampEngine(_Base):
     """Writes the wall-clock interval of every prefill to extra['stamp_file'], labelled extra['label'],
-    so the test can see from outside which process worked when."""
+    with its process id, so the test can see from outside which process worked when."""
     name = "stamp"
 
     def fault(self):
         start = time.time_ns()
         time.sleep(0.01)
         with open(self.s.extra["stamp_file"], "a") as f:
-            f.write(f"{self.s.extra['label']} {start} {time.time_ns()}\n")
+            f.write(f"{self.s.extra['label']} {start} {time.time_ns()} {os.getpid()}\n")
 
 
 def last_run(results_dir: Path) -> Path:
@@ -43,19 +44,28 @@ def test_engine_spec_syntax():
 
 
 def test_arms_take_strict_turns(tiny, tmp_path):
-    """Two worker processes, both loaded; their prefills (1 warm-up + 4 reps, two workloads) never
-    overlap and strictly alternate A B A B ..."""
+    """4 repetitions in 2 rounds: each round starts both arms in fresh worker processes; their prefills
+    (per round and workload 1 warm-up + 2 reps) never overlap and strictly alternate, A first in round 1,
+    B first in round 2. Each arm is still one cell with repetitions 0-3 per workload."""
     stamps = tmp_path / "stamps.txt"
     r = moebench("sweep", "-m", tiny, "-e", f"stamp@label=A@stamp_file={stamps},stamp@label=B@stamp_file={stamps}",
-                 "--interleave", "-w", "pp8,pp16", "-r", "4", "--sample-ms", "0", "--results-dir", tmp_path / "res",
-                 env=STAMP)
+                 "--interleave", "--rounds", "2", "-w", "pp8,pp16", "-r", "4", "--sample-ms", "20",
+                 "--results-dir", tmp_path / "res", env=STAMP)
     assert r.returncode == 0, r.stderr
-    rows = sorted((int(a), int(b), label) for label, a, b in (line.split() for line in stamps.read_text().splitlines()))
-    assert [label for _, _, label in rows] == ["A", "B"] * 10
+    rows = sorted((int(a), int(b), label, pid) for label, a, b, pid in (x.split() for x in stamps.read_text().splitlines()))
+    assert [label for _, _, label, _ in rows] == ["A", "B"] * 6 + ["B", "A"] * 6
     assert all(prev[1] <= nxt[0] for prev, nxt in zip(rows, rows[1:])), "two arms worked at the same time"
+    pids = [pid for *_, pid in rows]
+    assert len(set(pids[:12])) == 2 and len(set(pids[12:])) == 2 and not set(pids[:12]) & set(pids[12:])
     run = last_run(tmp_path / "res")
     info = json.loads((run / "run.json").read_text())["interleave"]
-    assert info["A"].startswith("stamp@label=A") and info["differs"] == ["extra"]
+    assert info["A"].startswith("stamp@label=A") and info["differs"] == ["extra"] and info["rounds"] == [2, 2]
+    meas = [x.split(",") for x in (run / "measurements.csv").read_text().splitlines()]
+    col = {name: i for i, name in enumerate(meas[0])}
+    reps = sorted((m[col["cell_id"]][0], m[col["workload"]], int(m[col["rep"]])) for m in meas[1:])
+    assert reps == sorted((a, w, i) for a in "AB" for w in ("pp8", "pp16") for i in range(4))
+    t = [float(x.split(",")[2]) for x in (run / "samples.csv").read_text().splitlines()[1:] if x.split(",")[1].startswith("A/")]
+    assert t == sorted(t) and len(t) > 4          # both rounds' samples on one time axis
     cells = (run / "cells.csv").read_text()
     assert "A/stamp/" in cells and "B/stamp/" in cells and "interleave_gate" not in cells
     r = moebench("compare", f"{run}:A", f"{run}:B", "--format", "json")
@@ -72,7 +82,8 @@ def test_a_crashing_arm_does_not_hang_the_other(tiny, tmp_path):
                  env=STAMP | {"FAULT": "crash"})
     assert r.returncode == 0, r.stderr
     assert "A crash: failed, B stamp@label=B" in r.stderr and "B stamp@label=B@stamp_file" in r.stderr
-    assert len(stamps.read_text().splitlines()) == 4          # B's warm-up + 3 repetitions
+    # round 1 of 3: B's warm-up + 1 repetition; a failed round ends the pair
+    assert len(stamps.read_text().splitlines()) == 2
 
 
 def test_interleave_input_errors(tiny, tmp_path):
@@ -80,10 +91,13 @@ def test_interleave_input_errors(tiny, tmp_path):
              (["-e", "llama-cpp,llama-cpp,reference"], "exactly two engine specs"),
              (["-e", "llama-cpp,llama-cpp@threads"], "is not KEY=VALUE"),
              (["-e", "llama-cpp,nosuch@threads=1"], "Unknown engine 'nosuch'"),
-             (["-e", "llama-cpp,llama-cpp", "--resume", tmp_path], "cannot continue an interleaved sweep")]
+             (["-e", "llama-cpp,llama-cpp", "--resume", tmp_path], "cannot continue an interleaved sweep"),
+             (["-e", "llama-cpp,llama-cpp", "--rounds", "0"], "--rounds 0 must be at least 1")]
     for args, msg in cases:
         r = moebench("sweep", "-m", tiny, "--interleave", "-w", "pp8", "--results-dir", tmp_path, *args)
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    r = moebench("sweep", "-m", tiny, "-e", "llama-cpp", "-w", "pp8", "--rounds", "2", "--results-dir", tmp_path)
+    assert r.returncode == 2 and "--rounds applies only to --interleave" in r.stderr
 
 
 def _interleaved_verdict(tiny, tmp_path, b: str) -> tuple[int, str]:
@@ -105,11 +119,10 @@ def test_interleaved_real_slowdown_is_a_regression(tiny, tmp_path):
     assert _interleaved_verdict(tiny, tmp_path, "llama-cpp@n_ubatch=16") == (1, "regression")
 
 
-@pytest.mark.slow
 def test_interleaved_real_same_setting_is_no_change(tiny, tmp_path):
     """llama-cpp against itself is not flagged. Interleaving removes machine drift (separate sweeps of the
-    same setting here differ by up to 3x as other load comes and goes), but not the difference between
-    the two worker processes: on this VM one process runs the same work 3-4 % faster than another
-    (A/A ratios seen: 0.957-1.032, p down to 7e-8), so against the 5 % threshold about one run in ten
-    flags A/A. Slow-marked (make test-all) until interleaving spreads each arm over several processes."""
+    same setting here differ by up to 3x as other load comes and goes); the 5 rounds of fresh processes
+    remove the bias of one process pair (one process ran the same work 3-4 % faster than another: with a
+    single pair, A/A ratios 0.957-1.032 at p down to 7e-8 flagged about one run in ten; with rounds,
+    11 runs, 5 of them under 2 busy loops, gave ratios 0.971-1.023 at p >= 0.05)."""
     assert _interleaved_verdict(tiny, tmp_path, "llama-cpp") == (0, "no change")
