@@ -246,10 +246,11 @@ class Transformer:
     """Weights + static KV cache. `moe(il, h, ids, w)` (engines.reference.offload) runs the experts."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, moe, n_ctx: int,
-                 device: torch.device, dtype: torch.dtype, linear=F.linear, norm=F.rms_norm):
+                 device: torch.device, dtype: torch.dtype, linear=F.linear, norm=F.rms_norm, attn_decode=None):
         self.cfg, self.w, self.moe, self.n_ctx, self.device, self.dtype = cfg, weights, moe, n_ctx, device, dtype
         self.linear = linear    # F.linear, or kernels.DecodeLinear (bf16 single-row products on CPU)
         self.norm = norm        # F.rms_norm, or kernels.DecodeNorm (single-token rows on CPU)
+        self.attn_decode = attn_decode   # None, or kernels.DecodeAttention: `attention` for one token, fused
         # KV cache (and attention math) in f32 on CPU: ATen's bf16 batched matmul has no fast kernel
         # (decode at 4K context: 1.6 ms vs 0.26 ms per layer for f32) and f32 SDPA prefill runs as fast
         # as bf16; on CUDA the cache uses the compute dtype.
@@ -271,6 +272,9 @@ class Transformer:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()
 
     def _attention(self, il: int, x: torch.Tensor, pos: int) -> torch.Tensor:
+        if self.attn_decode is not None and x.shape[0] == 1:
+            return self.attn_decode(self.cfg, self.w.layers[il], self.k_layers[il], self.v_layers[il], self.cos,
+                                    self.sin, x, pos)
         qk_norm = self.qk_norm[il] if self.qk_norm else None
         return attention(self.cfg, self.w.layers[il], qk_norm, self.k_layers[il], self.v_layers[il],
                          self.cos, self.sin, x, pos, self.dtype, self.linear, self.norm)
