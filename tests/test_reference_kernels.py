@@ -88,31 +88,38 @@ ARCHS = {"qwen3moe": replace(PRESETS["tiny"], dtype="f16"), "qwen2moe": replace(
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_attn_decode_matches_model_attention(tmp_path, ext, arch):
+def test_fused_decode_matches_model_ops(tmp_path, ext, arch):
     """The fused one-token attention (per-head / whole-projection / no q-k norm, qkv bias, NEOX and
     NORM RoPE, GQA) against model.attention's ATen ops on the same weights and a cache filled by a
-    real prefill: same K/V rows written at pos, same output within bf16 rounding of o (measured: equal)."""
-    from engines.reference.model import attention
+    real prefill: same K/V rows written at pos, same output within bf16 rounding of o (measured: equal).
+    The fused ffn norm + routing against F.rms_norm + model.route (top-k renormalized or not)."""
+    from engines.reference.model import attention, route
 
     e = ReferenceEngine()
     e.load(synthesize(ARCHS[arch], tmp_path / f"{arch}.gguf"), EngineSettings(n_ctx=64, threads=2, dtype="bf16"))
     m = e.model
     if ext is None:
-        assert m.attn_decode is None
+        assert m.fused is None
         return
     e.prefill(PROMPT)
     pos, g = len(PROMPT), torch.Generator().manual_seed(4)
     for il in (0, m.cfg.n_layers - 1):
         x = torch.randn(1, m.cfg.n_embd, generator=g) * 2
         kv = [(m.k_layers[il].clone(), m.v_layers[il].clone()) for _ in range(2)]
-        fused = m.attn_decode(m.cfg, m.w.layers[il], *kv[0], m.cos, m.sin, x, pos)
+        fused = m.fused.attention(m.cfg, m.w.layers[il], *kv[0], m.cos, m.sin, x, pos)
         qk_norm = m.qk_norm[il] if m.qk_norm else None
         ref = attention(m.cfg, m.w.layers[il], qk_norm, *kv[1], m.cos, m.sin, x, pos, m.dtype, m.linear, m.norm)
         torch.testing.assert_close(kv[0][0][:, :pos + 1], kv[1][0][:, :pos + 1], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(kv[0][1][:, :pos + 1], kv[1][1][:, :pos + 1], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(fused, ref, rtol=0, atol=2e-2 * float(ref.abs().max()))
+        h, w, ids = m.fused.norm_route(m.cfg, m.w.layers[il], x)
+        h_ref = F.rms_norm(x, (m.cfg.n_embd,), m.w.layers[il].ffn_norm, m.cfg.rms_eps)
+        w_ref, ids_ref = route(m.cfg, m.w.layers[il], h_ref)
+        torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-6)
+        assert torch.equal(ids, ids_ref), (ids, ids_ref)
+        torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="pos"):
-        m.attn_decode(m.cfg, m.w.layers[0], m.k_layers[0], m.v_layers[0], m.cos, m.sin, x, 64)   # past n_ctx: refused
+        m.fused.attention(m.cfg, m.w.layers[0], m.k_layers[0], m.v_layers[0], m.cos, m.sin, x, 64)   # past n_ctx: refused
 
 
 def test_hugepage_copy_is_an_aligned_equal_copy():

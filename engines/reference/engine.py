@@ -82,7 +82,7 @@ class ReferenceEngine(Engine):
                                                file_dtype, tensor_bytes)
         from engines.reference.model import (LayerWeights, ModelConfig, ModelWeights, Transformer,
                                              expected_shapes)
-        from engines.reference.kernels import DecodeAttention, DecodeLinear, DecodeNorm, hugepage_copy
+        from engines.reference.kernels import DecodeLinear, DecodeNorm, FusedDecode, hugepage_copy
         from engines.reference.offload import PATHS, ExpertLayer, MoEExecutor, OffloadConfig
 
         meta = read_meta(model, require_moe=False)     # from_meta says which MoE archs are supported
@@ -190,7 +190,7 @@ class ReferenceEngine(Engine):
         self.model = Transformer(cfg, weights, self.moe, s.n_ctx, device, dtype,
                                  linear=DecodeLinear(ext) if ext is not None else torch.nn.functional.linear,
                                  norm=DecodeNorm(ext) if ext is not None else torch.nn.functional.rms_norm,
-                                 attn_decode=DecodeAttention(ext) if ext is not None else None)
+                                 fused=FusedDecode(ext) if ext is not None else None)
         ledger.add("kv_cache", "accelerator", 0, self.model.kv_bytes)
         ledger.add("staging", "accelerator", 0, self.moe.staging_bytes)
 

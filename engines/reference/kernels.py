@@ -222,8 +222,40 @@ at::Tensor attn_decode(at::Tensor x, at::Tensor attn_norm, double eps, at::Tenso
   at::parallel_for(0, D, GRAIN, [&](int64_t b, int64_t e) { matvec_rows(wop, qd, ob.data(), y.data_ptr<float>(), b, e); });
   return y;
 }
+
+// A token's routing, the math of model.route after the ffn norm, in one call (there ~8 ATen ops):
+// x (1, D) f32 residual -> [h (1, D) f32 = rms_norm(x) * ffn_norm, w (1, k) f32, ids (1, k) int64].
+// logits = router h (router (E, D) f32); norm_topk: softmax over the k largest logits (== softmax over
+// all, top-k, renormalized), else the top-k of the softmax over all; w scaled by `scale` unless 0 or 1.
+std::vector<at::Tensor> route_decode(at::Tensor x, at::Tensor ffn_norm, double eps, at::Tensor router, int64_t k,
+                                     bool norm_topk, double scale) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous f32");
+  TORCH_CHECK(router.dim() == 2 && router.scalar_type() == at::kFloat && router.is_contiguous(), "router: (E, D) contiguous f32");
+  const int64_t D = x.numel(), E = router.size(0);
+  TORCH_CHECK(router.size(1) == D && k >= 1 && k <= E, "router shape / k");
+  auto h = at::empty({1, D}, x.options());
+  norm_row(x.data_ptr<float>(), f32_or_null(ffn_norm, D, "ffn_norm"), h.data_ptr<float>(), D, eps);
+  std::vector<float> logit(E);
+  const float *r = router.data_ptr<float>(), *hp = h.data_ptr<float>();
+  for (int64_t e = 0; e < E; ++e) logit[e] = dot_f32(r + e * D, hp, D);
+  std::vector<int64_t> order(E);
+  for (int64_t e = 0; e < E; ++e) order[e] = e;
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [&](int64_t a, int64_t b) { return logit[a] > logit[b] || (logit[a] == logit[b] && a < b); });
+  const float mx = logit[order[0]];
+  float sum = 0.f;
+  for (int64_t e = 0; e < (norm_topk ? k : E); ++e) sum += std::exp(logit[norm_topk ? order[e] : e] - mx);
+  auto w = at::empty({1, k}, x.options());
+  auto ids = at::empty({1, k}, x.options().dtype(at::kLong));
+  const float sc = (scale == 0.0 || scale == 1.0) ? 1.f : (float)scale;
+  for (int64_t j = 0; j < k; ++j) {
+    ids.data_ptr<int64_t>()[j] = order[j];
+    w.data_ptr<float>()[j] = std::exp(logit[order[j]] - mx) / sum * sc;
+  }
+  return {h, w, ids};
+}
 """
-FUNCTIONS = ["matvec", "moe_decode", "rms_norm", "attn_decode"]
+FUNCTIONS = ["matvec", "moe_decode", "rms_norm", "attn_decode", "route_decode"]
 
 
 def cpu_has_avx512_bf16() -> bool:
@@ -301,14 +333,21 @@ class DecodeLinear:
         return F.linear(x, w, b)
 
 
-class DecodeAttention:
-    """model.attention for a single token on CPU with bf16 weights and an f32 KV cache: one extension
-    call per layer (attn_decode) instead of ~35 ATen ops."""
+class FusedDecode:
+    """Single-token steps of model.py fused into one extension call each, for CPU decode with bf16
+    weights and an f32 KV cache: attention (model.attention's n == 1 branch; ~35 ATen ops a layer) and
+    the ffn norm + routing (model.route; ~8 ops)."""
 
     def __init__(self, ext):
         self.ext = ext
 
-    def __call__(self, cfg, lw, Kc: torch.Tensor, Vc: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 x: torch.Tensor, pos: int) -> torch.Tensor:
+    def attention(self, cfg, lw, Kc: torch.Tensor, Vc: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  x: torch.Tensor, pos: int) -> torch.Tensor:
+        """x: (1, D) f32 residual -> (1, D) f32, writing K/V at pos."""
         return self.ext.attn_decode(x.contiguous(), lw.attn_norm, cfg.rms_eps, lw.wqkv, lw.bqkv, lw.q_norm, lw.k_norm,
                                     Kc, Vc, cos, sin, pos, cfg.spec.rope_neox, cfg.n_head, lw.wo)
+
+    def norm_route(self, cfg, lw, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (1, D) f32 residual -> h (1, D) f32 normed, w (1, k) f32, ids (1, k)."""
+        return tuple(self.ext.route_decode(x.contiguous(), lw.ffn_norm, cfg.rms_eps, lw.router, cfg.n_expert_used,
+                                           cfg.spec.norm_topk, cfg.expert_weights_scale))

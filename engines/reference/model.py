@@ -246,11 +246,11 @@ class Transformer:
     """Weights + static KV cache. `moe(il, h, ids, w)` (engines.reference.offload) runs the experts."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, moe, n_ctx: int,
-                 device: torch.device, dtype: torch.dtype, linear=F.linear, norm=F.rms_norm, attn_decode=None):
+                 device: torch.device, dtype: torch.dtype, linear=F.linear, norm=F.rms_norm, fused=None):
         self.cfg, self.w, self.moe, self.n_ctx, self.device, self.dtype = cfg, weights, moe, n_ctx, device, dtype
         self.linear = linear    # F.linear, or kernels.DecodeLinear (bf16 single-row products on CPU)
         self.norm = norm        # F.rms_norm, or kernels.DecodeNorm (single-token rows on CPU)
-        self.attn_decode = attn_decode   # None, or kernels.DecodeAttention: `attention` for one token, fused
+        self.fused = fused      # None, or kernels.FusedDecode: one-token attention and routing, one call each
         # KV cache (and attention math) in f32 on CPU: ATen's bf16 batched matmul has no fast kernel
         # (decode at 4K context: 1.6 ms vs 0.26 ms per layer for f32) and f32 SDPA prefill runs as fast
         # as bf16; on CUDA the cache uses the compute dtype.
@@ -272,9 +272,9 @@ class Transformer:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()
 
     def _attention(self, il: int, x: torch.Tensor, pos: int) -> torch.Tensor:
-        if self.attn_decode is not None and x.shape[0] == 1:
-            return self.attn_decode(self.cfg, self.w.layers[il], self.k_layers[il], self.v_layers[il], self.cos,
-                                    self.sin, x, pos)
+        if self.fused is not None and x.shape[0] == 1:
+            return self.fused.attention(self.cfg, self.w.layers[il], self.k_layers[il], self.v_layers[il], self.cos,
+                                        self.sin, x, pos)
         qk_norm = self.qk_norm[il] if self.qk_norm else None
         return attention(self.cfg, self.w.layers[il], qk_norm, self.k_layers[il], self.v_layers[il],
                          self.cos, self.sin, x, pos, self.dtype, self.linear, self.norm)
@@ -282,8 +282,11 @@ class Transformer:
     def _ffn(self, il: int, x: torch.Tensor) -> torch.Tensor:
         """x: (n, D) f32 residual -> MoE output (n, D) f32 (plus qwen2moe's gated shared expert)."""
         cfg, lw = self.cfg, self.w.layers[il]
-        h = self.norm(x, (cfg.n_embd,), lw.ffn_norm, cfg.rms_eps)         # (n, D) f32
-        w, ids = route(cfg, lw, h)                                         # (n, k) each
+        if self.fused is not None and x.shape[0] == 1:
+            h, w, ids = self.fused.norm_route(cfg, lw, x)
+        else:
+            h = self.norm(x, (cfg.n_embd,), lw.ffn_norm, cfg.rms_eps)     # (n, D) f32
+            w, ids = route(cfg, lw, h)                                     # (n, k) each
         hc = h.to(self.dtype)
         out = self.moe(il, hc, ids, w)                                     # (n, D) f32
         if cfg.spec.shared_expert:
