@@ -69,6 +69,11 @@ class Engine(ABC):
     def version(cls) -> str:
         return "unknown"
 
+    @classmethod
+    def prepare(cls) -> None:
+        """One-time work on this machine (e.g. compiling kernels), called by the harness before it starts
+        a cell of this engine, so that no cell's load time or peak memory includes it. Default: none."""
+
     @abstractmethod
     def load(self, model: Path, s: EngineSettings) -> None: ...
 

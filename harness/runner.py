@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from engines.base import UserError
+from engines.registry import engine_class
 from harness import hardware, results
 from harness.sampler import NAN, Nvml, Sampler, peaks
 from harness.spec import Cell, SweepSpec, expand
@@ -83,6 +84,7 @@ def cell_row(cell: Cell, run_id: str, status: str, error: str, loaded: dict | No
 
 def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str) -> tuple[dict, list[dict], list[dict]]:
     """Run one cell in its own process; returns (cell row, measurement rows, sample rows)."""
+    engine_class(cell.engine).prepare()
     log = run_dir / "logs" / (cell.cell_id.replace("/", "_") + ".log")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TS_")}   # no inherited TS_* settings
     env |= {"TS_N_CPU_MOE": str(cell.settings.n_cpu_moe),

@@ -1,5 +1,6 @@
 """The reference engine's AVX512-BF16 decode kernels (engines.reference.kernels) against f32 math,
 and decode with the kernels on vs off. On a CPU without avx512_bf16 the tests check the fallback."""
+import csv
 from dataclasses import replace
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from engines.base import EngineSettings, UserError
 from engines.reference import kernels
 from engines.reference.engine import ReferenceEngine
+from tests.conftest import moebench, run_dir_of
 from workloads.synth import PRESETS, synthesize
 
 # qwen2moe: qkv bias and a shared expert, so every DecodeLinear call site runs
@@ -164,3 +166,18 @@ def test_unknown_decode_matvec_is_a_user_error(tmp_path):
     path = synthesize(TINY2, tmp_path / "qwen2moe.gguf")
     with pytest.raises(UserError, match="decode_matvec 'fast' is not one of auto, aten"):
         ReferenceEngine().load(path, EngineSettings(n_ctx=32, extra={"decode_matvec": "fast"}))
+
+
+def test_sweep_compiles_the_kernels_before_the_cell(tmp_path):
+    """With an empty kernel cache the harness compiles the kernels (ReferenceEngine.prepare, in a child
+    of the harness) before the cell starts, so the cell's load time and peak RAM are the engine's own:
+    compiled inside the cell, load took ~30 s and the peak held g++'s ~1.3 GB."""
+    cache = tmp_path / "cache"
+    model = synthesize(ARCHS["qwen3moe"], tmp_path / "tiny-f16.gguf")       # f16: bf16 compute, kernels used
+    r = moebench("sweep", "-m", model, "-e", "reference", "-w", "tg4", "-r", "1", "--threads", "2",
+                 "--results-dir", tmp_path / "res", "--format", "csv", env={"MOEBENCH_CACHE": str(cache)})
+    assert r.returncode == 0, r.stderr
+    built = list(cache.glob("kernels/torch-*/*.so"))
+    assert len(built) == (1 if kernels.cpu_has_avx512_bf16() else 0), built
+    cell = next(csv.DictReader(open(run_dir_of(r) / "cells.csv")))
+    assert cell["status"] == "ok" and float(cell["load_s"]) < 10 and float(cell["peak_rss_mib"]) < 1000, cell

@@ -20,6 +20,7 @@ Knobs in EngineSettings.extra (all optional):
 """
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Sequence
@@ -68,6 +69,18 @@ class ReferenceEngine(Engine):
         except ImportError as e:
             return f"{e.name} is not installed; pip install torch numpy gguf."
         return None
+
+    @classmethod
+    @functools.cache           # once per harness process
+    def prepare(cls) -> None:
+        """Compile the decode kernels (once per kernel source and torch version) in a child process:
+        inside a cell the compile would add ~30 s to its load and g++'s ~1.3 GB to its peak RAM. A
+        failure is left to load(), which falls back to ATen and says why in info()."""
+        import subprocess
+        import sys
+
+        subprocess.run([sys.executable, "-c", "from engines.reference import kernels; kernels.load()"],
+                       cwd=Path(__file__).resolve().parents[2], capture_output=True)
 
     @classmethod
     def version(cls) -> str:
