@@ -321,12 +321,13 @@ def decode(model: Transformer, token: torch.Tensor, pos: int) -> torch.Tensor:
     oneDNN is switched off for decode: for a single row its bf16 GEMV streams weights at ~15 GB/s on
     Zen4, while ATen's own bf16/f16 GEMV kernel reaches ~35 GB/s (measured, 2 threads); for
     prefill-sized batches oneDNN's bf16 GEMM is ~3x faster than ATen's, so prefill keeps it.
-    What bounds decode on the `small` preset (2 Zen4 threads): the ~100 GEMVs of a step take ~5 ms
-    (ATen's bf16 GEMV is compute-bound at ~20 GB/s a core, ~27 GB/s for 2 threads on 1-2 MB expert
-    matrices; DRAM gives >50), the remaining ~2 ms is per-op overhead. torch.compile of a whole
-    decode layer (inductor, cpp_wrapper) was measured at 4-8% faster for ~25 s of compile: not used.
-    With bf16 compute on an avx512_bf16 CPU, model.linear and the MoE executor run single rows through
-    engines.reference.kernels instead (AVX512-BF16 GEMV, weights on huge pages: ~45 GB/s)."""
+    With bf16 compute on an avx512_bf16 CPU, engines.reference.kernels takes over the single-token
+    steps: every single-row product (AVX512-BF16 GEMV, weights on huge pages: ~45 GB/s vs ATen's
+    compute-bound ~27), the routed experts, and, fused into one call per layer each, the attention
+    block (Transformer.fused.attention) and the ffn norm + routing. On `small` (2 Zen4 threads) that
+    took decode from ~7 ms a token (ATen: ~5 ms of GEMVs + ~2 ms of per-op overhead) to ~4-5 ms, of
+    which ~3.3 ms is reading ~150 MB of weights. torch.compile of a whole decode layer (inductor,
+    cpp_wrapper) was measured at 4-8% faster for ~25 s of compile: not used."""
     with onednn(False):
         return model.forward(token, pos, all_logits=True)
 
