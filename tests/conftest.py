@@ -1,4 +1,5 @@
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,12 @@ def moebench(*args, env: dict | None = None, timeout: float = 300) -> subprocess
                                                                  "PYTHONPATH": str(ROOT)} | (env or {})
     return subprocess.run([sys.executable, "-m", "harness", *map(str, args)], capture_output=True, text=True,
                           env=e, cwd=ROOT, timeout=timeout)
+
+
+def sigint_default() -> None:
+    """preexec_fn for a child the test will Ctrl-C: SIGINT back to its default. A shell's background
+    job (`.ci/run &`) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_dir_of(result: subprocess.CompletedProcess) -> Path:

@@ -18,7 +18,7 @@ import pandas as pd
 import psutil
 import pytest
 
-from tests.conftest import FAULTS, ROOT, moebench, run_dir_of
+from tests.conftest import FAULTS, ROOT, moebench, run_dir_of, sigint_default
 
 
 
@@ -196,7 +196,8 @@ def test_ctrl_c_stops_the_running_cell_on_its_node(cluster, tiny, tmp_path):
            "FAULT": "hang", "MOEBENCH_RAY_ENV": "FAULT"}
     p = subprocess.Popen([sys.executable, "-m", "harness", "sweep", "-m", str(tiny), "-e", "hang", "-w", "pp16",
                           "-r", "1", "--ray", "auto", "--results-dir", str(tmp_path)],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=sigint_default)
     deadline = time.time() + 60
     while time.time() < deadline and not (victim := _hang_cell_worker(str(node_cache.parent))):
         time.sleep(0.2)

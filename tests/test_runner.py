@@ -6,7 +6,7 @@ import time
 
 import pandas as pd
 
-from tests.conftest import FAULTS, ROOT, moebench, run_dir_of
+from tests.conftest import FAULTS, ROOT, moebench, run_dir_of, sigint_default
 
 
 
@@ -45,7 +45,8 @@ def test_ctrl_c_keeps_finished_cells(tiny, tmp_path):
     env = {"MOEBENCH_ENGINES": FAULTS, "PYTHONPATH": str(ROOT), "FAULT": "hang"}
     p = subprocess.Popen([sys.executable, "-m", "harness", "sweep", "-m", str(tiny), "-e", "llama-cpp,hang",
                           "-w", "pp16", "-r", "1", "--threads", "2", "--results-dir", str(tmp_path)],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=sigint_default)
     deadline = time.time() + 60
     while time.time() < deadline and not list(tmp_path.glob("*/cells.csv")):
         time.sleep(0.1)
