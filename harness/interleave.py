@@ -222,13 +222,11 @@ def _differs(a: Cell, b: Cell) -> list[str]:
 
 def run_interleaved(spec: SweepSpec, results_dir: Path, resume: Path | None = None) -> tuple[Path, int]:
     """The --interleave sweep: spec.engines holds exactly two engine specs. Returns (run dir, failed cells)."""
-    from datetime import datetime, timezone
-
     import click
 
-    from harness import hardware, results
+    from harness import results
     from harness.history import index_run
-    from harness.runner import new_run_dir, prepare_run_dir
+    from harness.runner import new_run_dir, prepare_run_dir, write_run_json
 
     if resume:
         raise UserError("--resume cannot continue an interleaved sweep (both arms must run side by side); "
@@ -249,10 +247,7 @@ def run_interleaved(spec: SweepSpec, results_dir: Path, resume: Path | None = No
     run_dir = new_run_dir(results_dir, spec)
     prepare_run_dir(run_dir)
     differs = _differs(cells["A"][0], cells["B"][0])
-    run = {"schema_version": results.SCHEMA_VERSION, "run_id": run_dir.name, "spec": spec.to_dict(),
-           "started": datetime.now(timezone.utc).isoformat(), "host": hardware.fingerprint(), "argv": sys.argv,
-           "interleave": {"A": es["A"].text, "B": es["B"].text, "differs": differs, "rounds": sizes}}
-    (run_dir / "run.json").write_text(json.dumps(run, indent=2, default=str))
+    write_run_json(run_dir, spec, interleave={"A": es["A"].text, "B": es["B"].text, "differs": differs, "rounds": sizes})
     failed = 0
     pairs = list(zip(cells["A"], cells["B"]))
     for i, (ca, cb) in enumerate(pairs):

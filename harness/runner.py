@@ -178,6 +178,14 @@ def _hardware_profile() -> dict | None:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def write_run_json(run_dir: Path, spec: SweepSpec, **more) -> None:
+    """run.json: the spec, host fingerprint, argv and hardware profile (plus `more`), before any cell runs."""
+    run = {"schema_version": results.SCHEMA_VERSION, "run_id": run_dir.name, "spec": spec.to_dict(),
+           "started": datetime.now(timezone.utc).isoformat(), "host": hardware.fingerprint(),
+           "argv": sys.argv, "hardware_profile": _hardware_profile()} | more
+    (run_dir / "run.json").write_text(json.dumps(run, indent=2, default=str))
+
+
 def _drop_unfinished(run_dir: Path) -> set[str]:
     """For --resume: keep rows of ok cells only; return their cell ids (those are skipped)."""
     cells = results.read_csv(run_dir, "cells.csv")
@@ -208,10 +216,7 @@ def run_sweep(spec: SweepSpec, results_dir: Path, resume: Path | None = None,
     prepare_run_dir(run_dir)
     done = _drop_unfinished(run_dir) if resume else set()
     if not resume:
-        run = {"schema_version": results.SCHEMA_VERSION, "run_id": run_dir.name, "spec": spec.to_dict(),
-               "started": datetime.now(timezone.utc).isoformat(), "host": hardware.fingerprint(),
-               "argv": sys.argv, "hardware_profile": _hardware_profile()}
-        (run_dir / "run.json").write_text(json.dumps(run, indent=2, default=str))
+        write_run_json(run_dir, spec)
     todo = [c for c in cells if c.cell_id not in done]
     if on_start:
         on_start(run_dir)

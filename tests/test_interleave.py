@@ -58,8 +58,10 @@ def test_arms_take_strict_turns(tiny, tmp_path):
     pids = [pid for *_, pid in rows]
     assert len(set(pids[:12])) == 2 and len(set(pids[12:])) == 2 and not set(pids[:12]) & set(pids[12:])
     run = last_run(tmp_path / "res")
-    info = json.loads((run / "run.json").read_text())["interleave"]
+    run_json = json.loads((run / "run.json").read_text())
+    info = run_json["interleave"]
     assert info["A"].startswith("stamp@label=A") and info["differs"] == ["extra"] and info["rounds"] == [2, 2]
+    assert run_json["hardware_profile"] and run_json["host"]          # the same record as a plain sweep
     meas = [x.split(",") for x in (run / "measurements.csv").read_text().splitlines()]
     col = {name: i for i, name in enumerate(meas[0])}
     reps = sorted((m[col["cell_id"]][0], m[col["workload"]], int(m[col["rep"]])) for m in meas[1:])
