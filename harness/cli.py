@@ -95,8 +95,8 @@ def cli() -> None:
 @click.option("--interleave", is_flag=True,
               help="A/B: exactly two engine specs (NAME[@KEY=VALUE]...), measured turn by turn (see README).")
 @click.option("--rounds", type=int, default=None,
-              help="With --interleave: split the repetitions over this many fresh pairs of arm processes "
-                   "(default min(5, repetitions)), so one process's speed does not decide a verdict.")
+              help="Run each cell in this many fresh processes, the repetitions split between them, so one "
+                   "process's speed does not decide a cell (default 1; with --interleave min(5, repetitions)).")
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
               help="Run the cells on a Ray cluster: auto (RAY_ADDRESS or the local cluster) or ray://HOST:PORT.")
 @click.option("--per-node", is_flag=True, help="With --ray: every node runs every cell (compare hardware).")
@@ -120,8 +120,6 @@ def sweep(models, engines, depths, cpu_moe, workloads, repetitions, threads, n_c
                      repetitions=repetitions, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, flash_attn=flash_attn,
                      timeout_s=timeout, sample_ms=sample_ms, seed=seed, extra=extra, ray=ray_address,
                      per_node=per_node, rounds=rounds, **({"threads": threads} if threads else {}))
-    if rounds is not None and not interleave:
-        raise UserError("--rounds applies only to --interleave sweeps; add --interleave or drop --rounds.")
     if interleave:
         from harness.interleave import run_interleaved
         run_dir, failed = run_interleaved(spec, Path(results_dir), Path(resume) if resume else None)

@@ -171,35 +171,6 @@ def run_pair(cells: dict[str, ArmCell], specs: dict[str, SweepSpec], run_dir: Pa
     return out
 
 
-def round_sizes(repetitions: int, rounds: int | None) -> list[int]:
-    """Repetitions per round: `rounds` (default min(5, repetitions)) nearly equal parts, larger first."""
-    k = min(repetitions, rounds or 5)
-    return [repetitions // k + (i < repetitions % k) for i in range(k)]
-
-
-def _join_rounds(parts: list[tuple]) -> tuple[dict, list[dict], list[dict]]:
-    """One arm's rounds -> one cell: reps renumbered, samples shifted onto one time axis."""
-    import math
-
-    rows, meas, samples = [p[0] for p in parts], [], []
-    done, t0 = {}, 0.0
-    for _, ms, ss in parts:
-        for m in ms:
-            meas.append(m | {"rep": done.get(m["workload"], 0) + m["rep"]})
-        for m in ms:
-            done[m["workload"]] = done.get(m["workload"], 0) + 1
-        samples += [x | {"t_ms": x["t_ms"] + t0} for x in ss]
-        t0 = samples[-1]["t_ms"] if samples else t0
-    row = dict(rows[-1])
-    bad = next((r for r in rows if r["status"] != "ok"), None)
-    if bad:
-        row["status"], row["error"] = bad["status"], bad["error"]
-    row["wall_s"] = sum(r["wall_s"] for r in rows)
-    for col in ("peak_rss_mib", "peak_vram_mib"):
-        row[col] = max((r[col] for r in rows if not math.isnan(r[col])), default=math.nan)
-    return row, meas, samples
-
-
 def _stop_workers() -> None:
     """Ctrl-C: kill the worker processes this sweep started (they run in their own sessions)."""
     import psutil
@@ -226,7 +197,7 @@ def run_interleaved(spec: SweepSpec, results_dir: Path, resume: Path | None = No
 
     from harness import results
     from harness.history import index_run
-    from harness.runner import new_run_dir, prepare_run_dir, write_run_json
+    from harness.runner import join_rounds, new_run_dir, prepare_run_dir, round_sizes, write_run_json
 
     if resume:
         raise UserError("--resume cannot continue an interleaved sweep (both arms must run side by side); "
@@ -234,7 +205,7 @@ def run_interleaved(spec: SweepSpec, results_dir: Path, resume: Path | None = No
     if len(spec.engines) != 2:
         raise UserError(f"--interleave needs exactly two engine specs, got {len(spec.engines)}; "
                         "pass e.g. -e llama-cpp,llama-cpp@threads=1.")
-    sizes = round_sizes(spec.repetitions, spec.rounds)
+    sizes = round_sizes(spec.repetitions, spec.rounds or 5)
     if getattr(spec, "ray", None) or getattr(spec, "per_node", False):
         raise UserError("--interleave runs both arms on this machine, side by side; drop --ray/--per-node.")
     es = dict(zip(ARMS, (parse_engine_spec(e) for e in spec.engines)))
@@ -261,7 +232,7 @@ def run_interleaved(spec: SweepSpec, results_dir: Path, resume: Path | None = No
                 parts[a].append(out[a])
             if any(out[a][0]["status"] != "ok" for a in ARMS):
                 break
-        out = {a: _join_rounds(parts[a]) for a in ARMS}
+        out = {a: join_rounds(parts[a]) for a in ARMS}
         for file, idx in (("measurements.csv", 1), ("samples.csv", 2), ("cells.csv", 0)):   # cells last
             results.append_rows(run_dir, file, [r for a in ARMS for r in ([out[a][0]] if idx == 0 else out[a][idx])])
         status = {a: out[a][0]["status"] for a in ARMS}

@@ -6,6 +6,7 @@ again. Ctrl-C stops the running cell and keeps everything finished so far.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -169,6 +170,46 @@ def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str) -> tuple[d
     return row, rows, sample_rows
 
 
+def round_sizes(repetitions: int, rounds: int) -> list[int]:
+    """Repetitions per round: min(rounds, repetitions) nearly equal parts, larger first."""
+    k = min(repetitions, rounds)
+    return [repetitions // k + (i < repetitions % k) for i in range(k)]
+
+
+def join_rounds(parts: list[tuple]) -> tuple[dict, list[dict], list[dict]]:
+    """A cell's rounds (run_cell results, one fresh process each) -> one cell: reps numbered on across
+    rounds, samples shifted onto one time axis, the first failure's status, the largest peaks."""
+    rows, meas, samples = [p[0] for p in parts], [], []
+    done, t0 = {}, 0.0
+    for _, ms, ss in parts:
+        for m in ms:
+            meas.append(m | {"rep": done.get(m["workload"], 0) + m["rep"]})
+        for m in ms:
+            done[m["workload"]] = done.get(m["workload"], 0) + 1
+        samples += [x | {"t_ms": x["t_ms"] + t0} for x in ss]
+        t0 = samples[-1]["t_ms"] if samples else t0
+    row = dict(rows[-1])
+    bad = next((r for r in rows if r["status"] != "ok"), None)
+    if bad:
+        row["status"], row["error"] = bad["status"], bad["error"]
+    row["wall_s"] = sum(r["wall_s"] for r in rows)
+    for col in ("peak_rss_mib", "peak_vram_mib"):
+        row[col] = max((r[col] for r in rows if r[col] == r[col]), default=NAN)
+    return row, meas, samples
+
+
+def run_rounds(cell: Cell, spec: SweepSpec, run_dir: Path) -> tuple[dict, list[dict], list[dict]]:
+    """--rounds: run_cell once per round, each in a fresh process with its share of the repetitions
+    (one process's speed is one sample: on a shared VM two processes of the same build differed by up
+    to ~25 %); a failed round ends the cell."""
+    parts = []
+    for reps in round_sizes(spec.repetitions, spec.rounds or 1):
+        parts.append(run_cell(cell, dataclasses.replace(spec, repetitions=reps), run_dir, run_dir.name))
+        if parts[-1][0]["status"] != "ok":
+            break
+    return join_rounds(parts)
+
+
 def _hardware_profile() -> dict | None:
     """The stored `moebench probe` profile (a ~1 s quick one is measured and stored if none exists)."""
     from harness.probe import stored_or_quick
@@ -209,6 +250,8 @@ def run_sweep(spec: SweepSpec, results_dir: Path, resume: Path | None = None,
         spec = SweepSpec.from_dict(json.loads((resume / "run.json").read_text())["spec"])
     cells = expand(spec)
     cluster = None
+    if (spec.ray or spec.per_node) and (spec.rounds or 1) > 1:
+        raise UserError("--rounds does not apply to --ray sweeps (each node runs a cell once); drop --rounds.")
     if spec.ray or spec.per_node:                # connect first: a missing Ray or cluster leaves no run directory
         from harness.ray_runner import Cluster
         cluster = Cluster.connect(spec)
@@ -226,7 +269,7 @@ def run_sweep(spec: SweepSpec, results_dir: Path, resume: Path | None = None,
         index_run(run_dir)
         return run_dir
     for i, cell in enumerate(todo):
-        row, meas, samples = run_cell(cell, spec, run_dir, run_dir.name)
+        row, meas, samples = run_rounds(cell, spec, run_dir)
         results.append_rows(run_dir, "measurements.csv", meas)
         results.append_rows(run_dir, "samples.csv", samples)
         results.append_rows(run_dir, "cells.csv", [row])    # last: a cell row means the cell is complete

@@ -8,7 +8,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS = ",".join(f"{n}=tests.fault_engines:{c}" for n, c in
-                  [("crash", "CrashEngine"), ("hang", "HangEngine"), ("hog", "HogEngine"), ("unavailable", "Unavailable")])
+                  [("crash", "CrashEngine"), ("hang", "HangEngine"), ("hog", "HogEngine"), ("stamp", "StampEngine"),
+                   ("unavailable", "Unavailable")])
 
 
 @pytest.fixture(scope="session")

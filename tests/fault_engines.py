@@ -54,6 +54,18 @@ class HangEngine(_Base):
         super().fault()
 
 
+class StampEngine(_Base):
+    """Appends `label start_ns end_ns pid` for every prefill to extra['stamp_file'] (or
+    $MOEBENCH_STAMP_FILE), so a test can see from outside which process worked when."""
+    name = "stamp"
+
+    def fault(self):
+        start = time.time_ns()
+        time.sleep(0.01)
+        with open(self.s.extra.get("stamp_file") or os.environ["MOEBENCH_STAMP_FILE"], "a") as f:
+            f.write(f"{self.s.extra.get('label', '-')} {start} {time.time_ns()} {os.getpid()}\n")
+
+
 class HogEngine(_Base):
     """Allocates without bound under a 1 GiB address-space limit: MemoryError -> status oom."""
     name = "hog"

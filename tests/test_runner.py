@@ -70,3 +70,23 @@ def _holds(proc, prefix: str) -> bool:
         return any(f.path.startswith(prefix) for f in proc.open_files())
     except psutil.Error:
         return False
+
+
+def test_rounds_run_a_cell_in_fresh_processes(tiny, tmp_path):
+    """--rounds 2 -r 5: the cell's prefills (per round 1 warm-up + 3, then + 2 reps) come from two worker
+    processes one after the other; it is still one cell with repetitions 0-4 and the wall time of both."""
+    stamps = tmp_path / "stamps.txt"
+    r = moebench("sweep", "-m", tiny, "-e", "stamp", "-w", "pp8", "-r", "5",
+                 "--rounds", "2", "--sample-ms", "20", "--results-dir", tmp_path, "--format", "csv",
+                 env={"MOEBENCH_STAMP_FILE": str(stamps)})
+    assert r.returncode == 0, r.stderr
+    pids = [line.split()[3] for line in stamps.read_text().splitlines()]
+    assert len(pids) == 7 and len(set(pids[:4])) == 1 and len(set(pids[4:])) == 1 and pids[0] != pids[4]
+    run = run_dir_of(r)
+    cells, meas = pd.read_csv(run / "cells.csv"), pd.read_csv(run / "measurements.csv")
+    assert len(cells) == 1 and cells["status"][0] == "ok" and sorted(meas["rep"]) == [0, 1, 2, 3, 4]
+    samples = pd.read_csv(run / "samples.csv")
+    assert samples["t_ms"].is_monotonic_increasing
+    r = moebench("sweep", "-m", tiny, "-e", "llama-cpp", "-w", "pp8", "--rounds", "2", "--ray", "auto",
+                 "--results-dir", tmp_path)
+    assert r.returncode == 2 and "--rounds does not apply to --ray" in r.stderr
