@@ -182,9 +182,9 @@ def join_rounds(parts: list[tuple]) -> tuple[dict, list[dict], list[dict]]:
     rows, meas, samples = [p[0] for p in parts], [], []
     done, t0 = {}, 0.0
     for _, ms, ss in parts:
+        before = dict(done)                   # repetitions per workload in the earlier rounds
         for m in ms:
-            meas.append(m | {"rep": done.get(m["workload"], 0) + m["rep"]})
-        for m in ms:
+            meas.append(m | {"rep": before.get(m["workload"], 0) + m["rep"]})
             done[m["workload"]] = done.get(m["workload"], 0) + 1
         samples += [x | {"t_ms": x["t_ms"] + t0} for x in ss]
         t0 = samples[-1]["t_ms"] if samples else t0

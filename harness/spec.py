@@ -36,7 +36,7 @@ class SweepSpec:
     extra: dict = field(default_factory=dict)   # engine-specific knobs, e.g. cpu_moe_threads
     ray: str | None = None                  # Ray address (auto | ray://host:port): cells run on the cluster
     per_node: bool = False                  # with ray: every node runs every cell
-    rounds: int | None = None               # with --interleave: fresh arm processes this often (None: min(5, reps))
+    rounds: int | None = None               # fresh processes per cell (None: 1; with --interleave min(5, reps))
 
     def to_dict(self) -> dict:
         return asdict(self)
