@@ -26,7 +26,6 @@ DB_VERSION = 1
 # The full configuration key of a measured cell: two cells are comparable only if all of these agree.
 KEY_FIELDS = ("engine", "model_fingerprint", "n_cpu_moe", "workload", "n_ctx", "n_batch", "n_ubatch", "threads",
               "flash_attn", "dtype", "device", "mmap", "extra")
-GATE_KEY = "interleave_gate"     # set by harness/interleave.py in settings.extra; never part of a key
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, path TEXT NOT NULL, started TEXT NOT NULL,
@@ -62,15 +61,6 @@ def db_path(results_dir: str | Path) -> Path:
     return Path(results_dir) / DB_NAME
 
 
-def _clean_extra(text: str) -> str:
-    """The `extra` column without the interleave gate (a temp path, not a setting)."""
-    try:
-        extra = json.loads(text or "{}")
-    except json.JSONDecodeError:
-        return text
-    return json.dumps({k: v for k, v in extra.items() if k != GATE_KEY}, sort_keys=True) if isinstance(extra, dict) else text
-
-
 def load_cells(run_dir: str | Path) -> list[CellSamples]:
     """Every cell x workload of a run with its raw repetitions; failed cells appear with no samples."""
     run_dir = Path(run_dir)
@@ -89,7 +79,7 @@ def load_cells(run_dir: str | Path) -> list[CellSamples]:
         if c["status"] != "ok":      # a failed cell still names its workloads, so compare can say it failed
             workloads += [w for w in run.get("spec", {}).get("workloads", []) if w not in workloads]
         for wl in workloads:
-            key = {k: c.get(k, "") for k in KEY_FIELDS} | {"workload": wl, "extra": _clean_extra(c.get("extra", ""))}
+            key = {k: c.get(k, "") for k in KEY_FIELDS} | {"workload": wl, "extra": c.get("extra", "")}
             rows = [m for m in meas if m["workload"] == wl]
             out.append(CellSamples(run.get("run_id", run_dir.name), arm, key, c["model_name"], c["depth"],
                                    c["engine_version"], c["status"], c.get("error", ""),

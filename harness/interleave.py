@@ -23,9 +23,7 @@ across rounds, samples on one time axis, the cell row's status the first failure
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import sys
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -33,7 +31,6 @@ from pathlib import Path
 
 from engines.base import Engine, UserError
 from engines.registry import engine_class
-from harness.history import GATE_KEY
 from harness.spec import Cell, SweepSpec, expand
 
 ARMS = ("A", "B")
@@ -95,23 +92,6 @@ class ArmCell(Cell):
         return f"{self.arm}/{Cell.cell_id.fget(self)}"
 
 
-class Turns:
-    """The worker's side of taking turns (no-op outside --interleave): wait() before a step, post() after."""
-
-    def __init__(self, gate: dict | None):
-        # O_RDWR: opening never blocks and a write never fails, even when the other arm is gone
-        self.r = os.open(gate["wait"], os.O_RDWR) if gate else None
-        self.w = os.open(gate["post"], os.O_RDWR) if gate else None
-
-    def wait(self) -> None:
-        if self.r is not None:
-            os.read(self.r, 1)
-
-    def post(self) -> None:
-        if self.w is not None:
-            os.write(self.w, b".")
-
-
 def _steps(spec: SweepSpec) -> int:
     return 2 + len(spec.workloads) * (spec.warmup + spec.repetitions)     # load, each warm-up/rep, close
 
@@ -141,10 +121,8 @@ def run_pair(cells: dict[str, ArmCell], specs: dict[str, SweepSpec], run_dir: Pa
         other = {"A": "B", "B": "A"}
 
         def arm(a: str) -> None:
-            cell = dataclasses.replace(cells[a], settings=dataclasses.replace(
-                cells[a].settings, extra=cells[a].settings.extra | {GATE_KEY: {"wait": fifo[a], "post": fifo[other[a]]}}))
             try:
-                out[a] = run_cell(cell, specs[a], run_dir, run_dir.name)
+                out[a] = run_cell(cells[a], specs[a], run_dir, run_dir.name, gate={"wait": fifo[a], "post": fifo[other[a]]})
             finally:
                 _flood(fds[other[a]], _steps(specs[other[a]]))
 
@@ -164,10 +142,6 @@ def run_pair(cells: dict[str, ArmCell], specs: dict[str, SweepSpec], run_dir: Pa
     for a in ARMS:
         if a not in out:
             raise RuntimeError(f"arm {a} ended without a result")
-        row = out[a][0]
-        row["extra"] = {k: v for k, v in row["extra"].items() if k != GATE_KEY}
-        if isinstance(row["effective_settings"].get("extra"), dict):
-            row["effective_settings"]["extra"].pop(GATE_KEY, None)
     return out
 
 
@@ -206,13 +180,14 @@ def run_interleaved(spec: SweepSpec, results_dir: Path, resume: Path | None = No
         raise UserError(f"--interleave needs exactly two engine specs, got {len(spec.engines)}; "
                         "pass e.g. -e llama-cpp,llama-cpp@threads=1.")
     sizes = round_sizes(spec.repetitions, spec.rounds or 5)
-    if getattr(spec, "ray", None) or getattr(spec, "per_node", False):
+    if spec.ray or spec.per_node:
         raise UserError("--interleave runs both arms on this machine, side by side; drop --ray/--per-node.")
     es = dict(zip(ARMS, (parse_engine_spec(e) for e in spec.engines)))
     for e in es.values():
         if engine_class(e.engine).measure is not Engine.measure:
             raise UserError(f"Engine {e.engine!r} times all repetitions itself in one call, so it cannot take turns; "
                             "--interleave works with in-process engines (llama-cpp, reference).")
+        engine_class(e.engine).prepare()     # here, once: run_cell's call would run in both arms' threads at once
     specs = {a: arm_spec(spec, es[a]) for a in ARMS}
     cells = {a: expand(specs[a]) for a in ARMS}       # validates both arms before anything runs
     run_dir = new_run_dir(results_dir, spec)
@@ -233,8 +208,8 @@ def run_interleaved(spec: SweepSpec, results_dir: Path, resume: Path | None = No
             if any(out[a][0]["status"] != "ok" for a in ARMS):
                 break
         out = {a: join_rounds(parts[a]) for a in ARMS}
-        for file, idx in (("measurements.csv", 1), ("samples.csv", 2), ("cells.csv", 0)):   # cells last
-            results.append_rows(run_dir, file, [r for a in ARMS for r in ([out[a][0]] if idx == 0 else out[a][idx])])
+        for a in ARMS:
+            results.append_cell(run_dir, *out[a])
         status = {a: out[a][0]["status"] for a in ARMS}
         failed += sum(s != "ok" for s in status.values())
         click.echo(f"[{i + 1}/{len(pairs)}] n_cpu_moe={ca.settings.n_cpu_moe} A {es['A'].text}: {status['A']}, "

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from engines.base import UserError
 from harness import hardware, results
-from harness.runner import cell_row, run_cell
+from harness.runner import cell_row, log_path, run_cell
 from harness.spec import Cell, SweepSpec, resolve_model
 
 SLOT = "moebench_slot"
@@ -245,10 +245,8 @@ class Cluster:
     def _write(run_dir: Path, out: dict) -> None:
         row = out["row"]
         if out["node"]:                                     # the task returned: its log came with it
-            (run_dir / "logs" / (row["cell_id"].replace("/", "_") + ".log")).write_text(out["log"])
-        results.append_rows(run_dir, "measurements.csv", out["measurements"])
-        results.append_rows(run_dir, "samples.csv", out["samples"])
-        results.append_rows(run_dir, "cells.csv", [row])    # last: a cell row means the cell is complete
+            log_path(run_dir, row["cell_id"]).write_text(out["log"])
+        results.append_cell(run_dir, row, out["measurements"], out["samples"])
         node = out["node"]
         if node:                                            # run.json "nodes": each node's fingerprint, once
             run_json = run_dir / "run.json"

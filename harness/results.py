@@ -55,6 +55,13 @@ def append_rows(run_dir: Path, file: str, rows: list[dict]) -> None:
         w.writerows({k: _fmt(r.get(k)) for k in FILES[file]} for r in rows)
 
 
+def append_cell(run_dir: Path, row: dict, measurements: list[dict], samples: list[dict]) -> None:
+    """One finished cell's rows; cells.csv last: a cell row means the cell is complete."""
+    append_rows(run_dir, "measurements.csv", measurements)
+    append_rows(run_dir, "samples.csv", samples)
+    append_rows(run_dir, "cells.csv", [row])
+
+
 def write_cells(run_dir: Path, rows: list[dict]) -> None:
     """Rewrite cells.csv whole (used by --resume to drop the rows of cells it runs again)."""
     (run_dir / "cells.csv").unlink(missing_ok=True)

@@ -47,8 +47,12 @@ def prepare_run_dir(run_dir: Path) -> None:
         raise UserError(f"Cannot write results to {str(run_dir)!r} ({e.strerror}); pass a writable --results-dir.") from None
 
 
-def _job(cell: Cell, spec: SweepSpec) -> dict:
-    return {"engine": cell.engine, "model": str(cell.model), "settings": cell.settings.to_dict(),
+def log_path(run_dir: Path, cell_id: str) -> Path:
+    return run_dir / "logs" / (cell_id.replace("/", "_") + ".log")
+
+
+def _job(cell: Cell, spec: SweepSpec, gate: dict | None) -> dict:
+    return {"gate": gate, "engine": cell.engine, "model": str(cell.model), "settings": cell.settings.to_dict(),
             "workloads": spec.workloads, "repetitions": spec.repetitions, "warmup": spec.warmup,
             "seed": spec.seed, "n_vocab": cell.meta.n_vocab}
 
@@ -83,10 +87,12 @@ def cell_row(cell: Cell, run_id: str, status: str, error: str, loaded: dict | No
     }
 
 
-def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str) -> tuple[dict, list[dict], list[dict]]:
-    """Run one cell in its own process; returns (cell row, measurement rows, sample rows)."""
+def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str,
+             gate: dict | None = None) -> tuple[dict, list[dict], list[dict]]:
+    """Run one cell in its own process; returns (cell row, measurement rows, sample rows). `gate`:
+    --interleave's turn-taking pipes (harness.worker.Turns)."""
     engine_class(cell.engine).prepare()
-    log = run_dir / "logs" / (cell.cell_id.replace("/", "_") + ".log")
+    log = log_path(run_dir, cell.cell_id)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TS_")}   # no inherited TS_* settings
     env |= {"TS_N_CPU_MOE": str(cell.settings.n_cpu_moe),
             "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
@@ -115,7 +121,7 @@ def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str) -> tuple[d
     reader.start()
     timed_out = False
     try:
-        proc.stdin.write(json.dumps(_job(cell, spec)).encode())
+        proc.stdin.write(json.dumps(_job(cell, spec, gate)).encode())
         proc.stdin.close()
     except BrokenPipeError:
         pass
@@ -250,9 +256,9 @@ def run_sweep(spec: SweepSpec, results_dir: Path, resume: Path | None = None,
         spec = SweepSpec.from_dict(json.loads((resume / "run.json").read_text())["spec"])
     cells = expand(spec)
     cluster = None
-    if (spec.ray or spec.per_node) and (spec.rounds or 1) > 1:
-        raise UserError("--rounds does not apply to --ray sweeps (each node runs a cell once); drop --rounds.")
     if spec.ray or spec.per_node:                # connect first: a missing Ray or cluster leaves no run directory
+        if (spec.rounds or 1) > 1:
+            raise UserError("--rounds does not apply to --ray sweeps (each node runs a cell once); drop --rounds.")
         from harness.ray_runner import Cluster
         cluster = Cluster.connect(spec)
     run_dir = resume or new_run_dir(results_dir, spec)
@@ -270,9 +276,7 @@ def run_sweep(spec: SweepSpec, results_dir: Path, resume: Path | None = None,
         return run_dir
     for i, cell in enumerate(todo):
         row, meas, samples = run_rounds(cell, spec, run_dir)
-        results.append_rows(run_dir, "measurements.csv", meas)
-        results.append_rows(run_dir, "samples.csv", samples)
-        results.append_rows(run_dir, "cells.csv", [row])    # last: a cell row means the cell is complete
+        results.append_cell(run_dir, row, meas, samples)
         if on_cell:
             on_cell(cell, row, i + 1, len(todo))
     index_run(run_dir)

@@ -91,7 +91,7 @@ class Sampler(threading.Thread):
             if not st or "VmRSS" not in st:      # gone, or a zombie (exited, not yet reaped: no Vm* lines)
                 continue
             alive.append(pid)
-            rss, anon, file_ = rss + st.get("VmRSS", 0), anon + st.get("RssAnon", 0), file_ + st.get("RssFile", 0)
+            rss, anon, file_ = rss + st["VmRSS"], anon + st.get("RssAnon", 0), file_ + st.get("RssFile", 0)
             if want_pss:
                 pss += (_proc_kib(pid, "smaps_rollup", ("Pss",)) or {}).get("Pss", 0)
         if not alive:

@@ -37,11 +37,28 @@ def _delta(after: dict, before: dict) -> float:
     return after[key] - before.get(key, 0.0) if key in after else float("nan")
 
 
+class Turns:
+    """The worker's side of taking turns (no-op outside --interleave; the gate is
+    two named pipes from harness/interleave.py): wait() before a step, post() after."""
+
+    def __init__(self, gate: dict | None):
+        # O_RDWR: opening never blocks and a write never fails, even when the other arm is gone
+        self.r = os.open(gate["wait"], os.O_RDWR) if gate else None
+        self.w = os.open(gate["post"], os.O_RDWR) if gate else None
+
+    def wait(self) -> None:
+        if self.r is not None:
+            os.read(self.r, 1)
+
+    def post(self) -> None:
+        if self.w is not None:
+            os.write(self.w, b".")
+
+
 def run_job(job: dict, ch: Channel) -> None:
     engine = engine_class(job["engine"])()
     settings = EngineSettings(**job["settings"])
-    from harness.interleave import Turns     # --interleave: each step waits for the other arm's worker
-    turn = Turns(settings.extra.get("interleave_gate"))
+    turn = Turns(job.get("gate"))     # --interleave: each step waits for the other arm's worker
     ch.emit("phase", phase="load")
     turn.wait()
     t0 = time.perf_counter_ns()
