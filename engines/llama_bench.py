@@ -24,7 +24,7 @@ from engines.base import EngineInfo, EngineSettings
 from engines.external import ExternalEngine, ExternalError, tail
 from engines.gguf_meta import read_meta
 
-# our settings name -> llama-bench's JSON field, for info()
+# llama-bench's JSON field -> our settings name, for info()
 EFFECTIVE = {"n_threads": "threads", "n_batch": "n_batch", "n_ubatch": "n_ubatch", "flash_attn": "flash_attn",
              "n_gpu_layers": "n_gpu_layers", "n_cpu_moe": "n_cpu_moe", "type_k": "type_k", "type_v": "type_v",
              "load_mode": "load_mode", "use_mmap": "mmap", "no_op_offload": "no_op_offload",
@@ -84,7 +84,6 @@ class LlamaBenchEngine(ExternalEngine):
     env_var = "MOEBENCH_LLAMA_BENCH"
     how_to_get = ("build one matching the installed llama-cpp-python with `moebench tools build-llama-bench`, "
                   "or pass `--llama-bench PATH` / set MOEBENCH_LLAMA_BENCH=PATH.")
-    _version: str | None = None     # set by load(): the worker asks the class for the version after load
 
     @classmethod
     def discovered(cls) -> list[Path]:
@@ -116,8 +115,6 @@ class LlamaBenchEngine(ExternalEngine):
 
     @classmethod
     def version(cls) -> str:
-        if cls._version:
-            return cls._version
         binary = cls.find()
         return cls.version_of(binary) if binary and binary.is_file() else "unknown"
 
@@ -167,7 +164,6 @@ class LlamaBenchEngine(ExternalEngine):
         self.binary = self.locate(s)
         self.flags = self._flags(s)
         self.probe = self._bench(1, 0, 0, 1, warmup=False)
-        type(self)._version = self.version_of(self.binary, self.probe)
 
     def measure(self, workload, repetitions: int, warmup: int, seed: int) -> list[int]:
         # llama-bench runs one warm-up itself (skipped with --no-warmup when we are asked for none);

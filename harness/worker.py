@@ -65,7 +65,8 @@ def run_job(job: dict, ch: Channel) -> None:
     engine.load(Path(job["model"]), settings)
     load_s = (time.perf_counter_ns() - t0) / 1e9
     turn.post()
-    ch.emit("loaded", load_s=load_s, version=type(engine).version(), info=engine.info().to_dict())
+    info = engine.info()
+    ch.emit("loaded", load_s=load_s, version=info.version, info=info.to_dict())
     for name in job["workloads"]:
         w = parse_workload(name)
         ch.emit("phase", phase=name)

@@ -30,14 +30,6 @@ from engines.base import Engine, EngineInfo, EngineSettings, UserError, resolve_
 VERSION = "0.1.0"
 
 
-def _cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
 def pick_dtype(asked: str, device, stored: str):
     """Compute dtype. auto: F32 files compute in f32; on CUDA F16 files in f16, the rest in bf16;
     on a CPU with avx512_bf16/AMX everything else in bf16 (oneDNN: measured ~200 GFLOP/s per Zen4
@@ -54,7 +46,8 @@ def pick_dtype(asked: str, device, stored: str):
         return torch.float32
     if device.type == "cuda":
         return torch.float16 if stored == "F16" or not torch.cuda.is_bf16_supported() else torch.bfloat16
-    return torch.bfloat16 if _cpu_has_bf16() else torch.float32
+    from engines.reference.kernels import cpu_flags
+    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & cpu_flags() else torch.float32
 
 
 class ReferenceEngine(Engine):

@@ -260,11 +260,18 @@ std::vector<at::Tensor> route_decode(at::Tensor x, at::Tensor ffn_norm, double e
 FUNCTIONS = ["matvec", "moe_decode", "rms_norm", "attn_decode", "route_decode"]
 
 
-def cpu_has_avx512_bf16() -> bool:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
-        return " avx512_bf16" in Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return frozenset()
+    return frozenset(w for line in text.splitlines() if line.startswith("flags") for w in line.split(":", 1)[1].split())
+
+
+def cpu_has_avx512_bf16() -> bool:
+    return "avx512_bf16" in cpu_flags()
 
 
 @functools.cache
