@@ -63,9 +63,7 @@ def db_path(results_dir: str | Path) -> Path:
 
 def load_cells(run_dir: str | Path) -> list[CellSamples]:
     """Every cell x workload of a run with its raw repetitions; failed cells appear with no samples."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "run.json").exists():
-        raise UserError(f"{str(run_dir)!r} is not a moebench run directory (no run.json); pass results/<run_id>.")
+    run_dir = results.require_run(run_dir)
     run = json.loads((run_dir / "run.json").read_text())
     interleaved = bool(run.get("interleave"))
     by_cell: dict[str, list[dict]] = {}

@@ -21,11 +21,11 @@ import click
 from engines.base import UserError
 from engines.gguf_meta import ModelMeta, TensorEntry
 from harness.cli import FORMAT, OUTPUT, user_errors
+from harness.units import MiB as MIB
 
 ENGINES = ("llama-cpp", "reference")
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 LLAMA_CTX_PAD = 256        # llama.cpp 0.3.36 rounds the KV cache up to 256 cells (asked 100 -> 256 cells)
-MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,7 @@ class Plan:
                 "depths": [d.__dict__ | {"accel_bytes": d.accel_bytes, "host_bytes": d.host_bytes} for d in self.depths]}
 
 
-def _depth(meta: ModelMeta, mb: ModelBytes, s: PlanSettings, n: int, compute: int, overhead: int = 0) -> DepthPlan:
+def _depth(mb: ModelBytes, s: PlanSettings, n: int, compute: int, overhead: int = 0) -> DepthPlan:
     return DepthPlan(n, mb.non_expert, mb.experts(n), mb.experts(0, n), kv_cells(s) * mb.kv_per_cell, compute,
                      staging_bytes(mb, s, n), overhead)
 
@@ -237,7 +237,7 @@ def calibrate(meta: ModelMeta, s: PlanSettings, runs: list[Path]) -> Calibration
             cs = _cell_settings(s, c)
             mb = model_bytes(meta, cs)
             est = compute_estimate(meta, cs)
-            d = _depth(meta, mb, cs, int(c["n_cpu_moe"]), est)
+            d = _depth(mb, cs, int(c["n_cpu_moe"]), est)
             vram, rss = _num(c.get("peak_vram_mib")), _num(c.get("peak_rss_mib"))
             gpu = not math.isnan(vram)
             by_dev = json.loads(c.get("bytes_by_device") or "{}")
@@ -249,11 +249,8 @@ def calibrate(meta: ModelMeta, s: PlanSettings, runs: list[Path]) -> Calibration
             if math.isnan(peak):
                 continue
             predicted = d.non_expert_bytes + d.expert_accel_bytes + d.kv_bytes + d.staging_bytes
-            if not gpu:
-                predicted += d.expert_host_bytes
-                peak_name = "peak_rss_mib"
-            else:
-                peak_name = "peak_vram_mib"
+            predicted += 0 if gpu else d.expert_host_bytes
+            peak_name = "peak_vram_mib" if gpu else "peak_rss_mib"
             residuals.append((peak * MIB - predicted, est))
             used.add(Path(run).name)
     if not residuals:
@@ -276,7 +273,7 @@ def make_plan(meta: ModelMeta, s: PlanSettings, runs: list[Path] | None = None) 
     cal = calibrate(meta, s, runs or [])
     compute = int(est * (cal.compute_scale or 1.0)) if cal else est
     overhead = cal.overhead_bytes if cal else 0
-    depths = [_depth(meta, mb, s, n, compute, overhead) for n in range(meta.n_layers + 1)]
+    depths = [_depth(mb, s, n, compute, overhead) for n in range(meta.n_layers + 1)]
     return Plan(meta, s, mb, kv_cells(s), est, depths, cal)
 
 

@@ -213,7 +213,7 @@ def reproduce(published_model, model_file, revision, engines, workloads, repetit
     from harness.spec import SweepSpec, split_list
     from harness.tables import render
 
-    df = select(select(load(), revision=revision), model=published_model)
+    df = select(load(), model=published_model, revision=revision)
     engines_ = split_list(engines)
     if len(engines_) != 2:
         raise UserError(f"--engines {engines!r} must name two engines (one for {A}, one for {B}), e.g. reference,llama-cpp.")

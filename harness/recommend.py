@@ -71,8 +71,6 @@ def load_measured(runs: list[Path], fingerprint: str, engine: str):
     failed: dict[int, str] = {}
     rep, profile, ctxs, seen = None, None, set(), 0
     for run in runs:
-        if not (Path(run) / "run.json").exists():
-            raise UserError(f"{str(run)!r} is not a moebench run directory (no run.json); pass results/<run_id>.")
         info, cells, meas, _ = results.load_frames(run)
         profile = profile or info.get("hardware_profile")
         cells = cells[(cells["model_fingerprint"] == fingerprint) & (cells["engine"] == engine)]

@@ -58,8 +58,6 @@ def load_runs(run_dirs: list[Path]):
 
     runs, frames = [], []
     for d in run_dirs:
-        if not (Path(d) / "run.json").exists():
-            raise UserError(f"{str(d)!r} is not a moebench run directory (no run.json); pass results/<run_id>.")
         run, *fs = results.load_frames(d)
         if len(run_dirs) > 1:
             for f in fs:
@@ -218,7 +216,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, engine_a: str | None = Non
 def _against(rep: Report, runs, mcells, ms, meas, a, b, model: str, revision: str) -> None:
     from harness import published
 
-    df = published.select(published.select(published.load(), revision=revision), model=model)
+    df = published.select(published.load(), model=model, revision=revision)
     model = df["model"].iloc[0]                       # the published spelling
     first = mcells.iloc[0]
     rows = published.against_rows(df, a, b, getter(mcells, ms, "tps_max"), int(first["n_layers"]),

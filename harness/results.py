@@ -76,11 +76,21 @@ def read_csv(run_dir: Path, file: str) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def require_run(run_dir: str | Path) -> Path:
+    """The run directory, or one sentence saying it is not one."""
+    from engines.base import UserError
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "run.json").exists():
+        raise UserError(f"{str(run_dir)!r} is not a moebench run directory (no run.json); pass results/<run_id>.")
+    return run_dir
+
+
 def load_frames(run_dir: str | Path):
     """(run, cells, measurements, samples) as a dict and three pandas DataFrames."""
     import pandas as pd
 
-    run_dir = Path(run_dir)
+    run_dir = require_run(run_dir)
     run = json.loads((run_dir / "run.json").read_text())
     frames = []
     for file, cols in FILES.items():

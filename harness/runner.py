@@ -251,8 +251,7 @@ def run_sweep(spec: SweepSpec, results_dir: Path, resume: Path | None = None,
               on_start: Callable[[Path], None] | None = None) -> Path:
     """Run every cell not yet finished; returns the run directory. on_cell(cell, row, i, n) reports progress."""
     if resume:
-        if not (resume / "run.json").exists():
-            raise UserError(f"{str(resume)!r} is not a moebench run directory (no run.json); pass results/<run_id>.")
+        results.require_run(resume)
         spec = SweepSpec.from_dict(json.loads((resume / "run.json").read_text())["spec"])
     cells = expand(spec)
     cluster = None

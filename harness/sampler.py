@@ -15,7 +15,8 @@ import time
 
 import psutil
 
-MIB = 2**20
+from harness.units import MiB as MIB
+
 NAN = float("nan")
 
 

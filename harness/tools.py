@@ -24,17 +24,17 @@ from harness.cli import user_errors
 
 
 def llama_cpp_python_version() -> str:
-    from importlib import metadata
-    try:
-        return metadata.version("llama_cpp_python")
-    except metadata.PackageNotFoundError:
+    from engines.llama_bench import installed_llama_cpp_python
+    version = installed_llama_cpp_python()
+    if version is None:
         raise UserError("llama-cpp-python is not installed, so there is no llama.cpp commit to match; "
-                        "install it (`pip install llama-cpp-python`) or pass --version.") from None
+                        "install it (`pip install llama-cpp-python`) or pass --version.")
+    return version
 
 
 def llama_bench_dir(version: str) -> Path:
-    from workloads.synth import cache_dir
-    return cache_dir() / "llama-bench" / version
+    from engines.llama_bench import cache_root
+    return cache_root() / version
 
 
 def cuda_present() -> bool:

@@ -22,10 +22,3 @@ def parse_size(text: str | int | float, option: str = "size") -> int:
         raise UserError(f"{option} {text!r} is not a size; write it like 16GiB, 16GB, 512MiB or a number of bytes.")
     return int(float(m.group(1)) * _UNITS[unit])
 
-
-def gib(n: float) -> float:
-    return n / GiB
-
-
-def mib(n: float) -> float:
-    return n / MiB
