@@ -14,7 +14,7 @@ from engines.reference.engine import ReferenceEngine
 from tests.conftest import moebench, run_dir_of
 from workloads.synth import PRESETS, synthesize
 
-# qwen2moe: qkv bias and a shared expert, so every DecodeLinear call site runs
+# qwen2moe: qkv bias and a shared expert, so every DecodeKernels.linear call site runs
 TINY2 = replace(PRESETS["tiny"], arch="qwen2moe", n_ff_shexp=96)
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(0, TINY2.n_vocab, 16)]
 
@@ -59,7 +59,7 @@ def test_rms_norm_matches_aten(ext):
     torch.testing.assert_close(ext.rms_norm(x, w, 1e-6), F.rms_norm(x, (1024,), w, 1e-6), rtol=1e-6, atol=1e-6)
     qk = torch.randn(1, 20, 64, generator=g)          # per-head norm: rows of the last dim, no weight
     torch.testing.assert_close(ext.rms_norm(qk, None, 1e-5), F.rms_norm(qk, (64,), None, 1e-5), rtol=1e-6, atol=1e-6)
-    norm = kernels.DecodeNorm(ext)
+    norm = kernels.DecodeKernels(ext).norm
     many = torch.randn(7, 1024, generator=g)          # batches go to ATen, same results
     torch.testing.assert_close(norm(many, (1024,), w, 1e-6), F.rms_norm(many, (1024,), w, 1e-6))
     with pytest.raises(RuntimeError, match="w: "):

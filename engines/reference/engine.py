@@ -88,7 +88,7 @@ class ReferenceEngine(Engine):
                                                file_dtype, tensor_bytes)
         from engines.reference.model import (LayerWeights, ModelConfig, ModelWeights, Transformer,
                                              expected_shapes)
-        from engines.reference.kernels import DecodeLinear, DecodeNorm, FusedDecode, hugepage_copy
+        from engines.reference.kernels import DecodeKernels, hugepage_copy
         from engines.reference.offload import PATHS, ExpertLayer, MoEExecutor, OffloadConfig
 
         meta = read_meta(model, require_moe=False)     # from_meta says which MoE archs are supported
@@ -107,8 +107,9 @@ class ReferenceEngine(Engine):
         path = str(x.get("moe_path", "auto"))
         if path not in PATHS:
             raise UserError(f"moe_path {path!r} is not one of {', '.join(PATHS)}.")
-        if str(x.get("decode_matvec", "auto")) not in ("auto", "aten"):
-            raise UserError(f"decode_matvec {x['decode_matvec']!r} is not one of auto, aten.")
+        matvec = str(x.get("decode_matvec", "auto"))
+        if matvec not in ("auto", "aten"):
+            raise UserError(f"decode_matvec {matvec!r} is not one of auto, aten.")
         if s.device == "auto":
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
@@ -191,12 +192,10 @@ class ReferenceEngine(Engine):
         embd = acc("token_embd.weight")
         weights = ModelWeights(token_embd=embd, output_norm=acc("output_norm.weight", f32),
                                output=embd if cfg.tied_output else acc("output.weight"), layers=layers)
-        ext = self._decode_kernels(str(x.get("decode_matvec", "auto")), device, dtype)
+        ext = self._decode_kernels(matvec, device, dtype)
         self.moe = MoEExecutor(experts, ocfg, device, kernels=ext)
         self.model = Transformer(cfg, weights, self.moe, s.n_ctx, device, dtype,
-                                 linear=DecodeLinear(ext) if ext is not None else torch.nn.functional.linear,
-                                 norm=DecodeNorm(ext) if ext is not None else torch.nn.functional.rms_norm,
-                                 fused=FusedDecode(ext) if ext is not None else None)
+                                 kernels=DecodeKernels(ext) if ext is not None else None)
         ledger.add("kv_cache", "accelerator", 0, self.model.kv_bytes)
         ledger.add("staging", "accelerator", 0, self.moe.staging_bytes)
 

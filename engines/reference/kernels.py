@@ -7,7 +7,7 @@ Why: ATen's bf16 GEMV (oneDNN off) is compute-bound at ~20 GB/s a Zen4 core. `vd
 machine: +14% over ATen on 4 KiB pages (118 -> 135 tok/s), +8-10% over ATen on huge pages. The routed
 experts of a layer also run as one call (gate_up, SiLU-gating, down, weighted sum), which removes
 ~8 Python/ATen ops per layer; a layer's one-token attention block (attn_decode, ~35 ops) and its
-ffn norm + routing (route_decode, ~8 ops) are one call each too (FusedDecode): decode on `small`
+ffn norm + routing (route_decode, ~8 ops) are one call each too (DecodeKernels): decode on `small`
 went from ~6.2 to ~4.2-5 ms a token. Batched products (prefill) never use these (oneDNN's GEMM is faster);
 the one single-row product of a prefill, its last position's output head, does.
 
@@ -313,42 +313,29 @@ def hugepage_copy(t: torch.Tensor) -> torch.Tensor:
     return buf[off:off + n].view(t.dtype).view(t.shape).copy_(t)
 
 
-class DecodeNorm:
-    """F.rms_norm for the call sites of model.py: single-token f32 rows normed over their last dim run
-    the extension's rms_norm (one op instead of ~8), everything else F.rms_norm."""
+class DecodeKernels:
+    """The extension as model.py uses it on a bf16 CPU: drop-ins for F.rms_norm and F.linear that send
+    single rows to the kernels (everything else to ATen), and single-token steps fused into one call
+    each: attention (model.attention's n == 1 branch; ~35 ATen ops a layer) and the ffn norm + routing
+    (model.route; ~8 ops)."""
 
     def __init__(self, ext):
         self.ext = ext
 
-    def __call__(self, x: torch.Tensor, shape: tuple[int, ...], w: torch.Tensor | None = None,
-                 eps: float = 1e-6) -> torch.Tensor:
+    def norm(self, x: torch.Tensor, shape: tuple[int, ...], w: torch.Tensor | None = None,
+             eps: float = 1e-6) -> torch.Tensor:
+        """F.rms_norm; single-token f32 rows normed over their last dim: one op instead of ~8."""
         if (x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu" and len(shape) == 1
                 and (w is None or w.dtype == torch.float32)):
             return self.ext.rms_norm(x.contiguous(), w, eps)
         return F.rms_norm(x, shape, w, eps)
 
-
-class DecodeLinear:
-    """F.linear for the call sites of model.py: single rows with bf16 weights run the kernel (f32
-    output; callers' .float() is then free), everything else F.linear."""
-
-    def __init__(self, ext):
-        self.ext = ext
-
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear; single rows with bf16 weights run the GEMV (f32 output; callers' .float() is then free)."""
         if x.shape[0] == 1 and w.dtype == torch.bfloat16 and x.device.type == "cpu":
             y = self.ext.matvec(x, w)
             return y if b is None else y + b
         return F.linear(x, w, b)
-
-
-class FusedDecode:
-    """Single-token steps of model.py fused into one extension call each, for CPU decode with bf16
-    weights and an f32 KV cache: attention (model.attention's n == 1 branch; ~35 ATen ops a layer) and
-    the ffn norm + routing (model.route; ~8 ops)."""
-
-    def __init__(self, ext):
-        self.ext = ext
 
     def attention(self, cfg, lw, Kc: torch.Tensor, Vc: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   x: torch.Tensor, pos: int) -> torch.Tensor:

@@ -188,7 +188,7 @@ def attention(cfg: ModelConfig, lw: LayerWeights, qk_norm: torch.Tensor | None, 
               linear=F.linear, norm=F.rms_norm) -> torch.Tensor:
     """x: (n, D) f32 residual -> attention output (n, D) f32, writing K/V into the layer's cache
     Kc, Vc (Hkv, n_ctx, hd) at pos..pos+n-1. cos/sin: rope_tables; qk_norm: Transformer.qk_norm;
-    linear, norm: F.linear and F.rms_norm, or the decode kernels' drop-ins (kernels.DecodeLinear/DecodeNorm)."""
+    linear, norm: F.linear and F.rms_norm, or the decode kernels' drop-ins (kernels.DecodeKernels)."""
     n, H, Hkv, hd = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
     h = norm(x, (cfg.n_embd,), lw.attn_norm, cfg.rms_eps).to(dtype)
     qkv = linear(h, lw.wqkv, lw.bqkv).float()                             # (n, q + 2kv)
@@ -246,11 +246,13 @@ class Transformer:
     """Weights + static KV cache. `moe(il, h, ids, w)` (engines.reference.offload) runs the experts."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, moe, n_ctx: int,
-                 device: torch.device, dtype: torch.dtype, linear=F.linear, norm=F.rms_norm, fused=None):
+                 device: torch.device, dtype: torch.dtype, kernels=None):
         self.cfg, self.w, self.moe, self.n_ctx, self.device, self.dtype = cfg, weights, moe, n_ctx, device, dtype
-        self.linear = linear    # F.linear, or kernels.DecodeLinear (bf16 single-row products on CPU)
-        self.norm = norm        # F.rms_norm, or kernels.DecodeNorm (single-token rows on CPU)
-        self.fused = fused      # None, or kernels.FusedDecode: one-token attention and routing, one call each
+        # kernels: None, or kernels.DecodeKernels (bf16 on CPU): single rows of F.linear / F.rms_norm, and
+        # the one-token attention and routing fused into one call each (self.fused)
+        self.linear = kernels.linear if kernels else F.linear
+        self.norm = kernels.norm if kernels else F.rms_norm
+        self.fused = kernels
         # KV cache (and attention math) in f32 on CPU: ATen's bf16 batched matmul has no fast kernel
         # (decode at 4K context: 1.6 ms vs 0.26 ms per layer for f32) and f32 SDPA prefill runs as fast
         # as bf16; on CUDA the cache uses the compute dtype.
