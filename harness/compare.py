@@ -165,13 +165,18 @@ def _threshold(text: str) -> float:
 
 # --- the comparison -----------------------------------------------------------------------------------
 
+def key_of(fields: list[str]):
+    """The match key of a cell (CellSamples or a key dict): its values of `fields`, in order."""
+    return lambda c: tuple((c.key if isinstance(c, history.CellSamples) else c)[k] for k in fields)
+
+
 def compare_sides(base: Side, cand: Side, metric: str, alpha: float, threshold: float, ignore: list[str]) -> dict:
     """Match cells by key (minus `ignore`), judge each pair; returns cells, summary and unmatched rows."""
     bad = [f for f in ignore if f not in history.KEY_FIELDS]
     if bad:
         raise UserError(f"--ignore {','.join(bad)} is not a key field; choose from {', '.join(history.KEY_FIELDS)}.")
     fields = [k for k in history.KEY_FIELDS if k not in ignore]
-    match_key = lambda c: tuple((c.key if isinstance(c, history.CellSamples) else c)[k] for k in fields)
+    match_key = key_of(fields)
     sides = {}
     for name, side in (("base", base), ("candidate", cand)):
         by_key: dict[tuple, history.CellSamples] = {}
@@ -200,9 +205,9 @@ def compare_sides(base: Side, cand: Side, metric: str, alpha: float, threshold: 
         engine = bc.key["engine"] if bc.key["engine"] == cc.key["engine"] else f"{bc.key['engine']} → {cc.key['engine']}"
         changed = {f: f"{bc.key[f]}→{cc.key[f]}" for f in ignore if bc.key[f] != cc.key[f]}
         rows.append({"engine": engine, "model": bc.model_name, "n_cpu_moe": bc.key["n_cpu_moe"],
-                     "workload": bc.key["workload"], "settings": _settings(bc.key, changed), **asdict(r)})
+                     "workload": bc.key["workload"], "settings": history.settings_label(bc.key, changed), **asdict(r)})
     unmatched = [{"only in": name, "engine": x.key["engine"], "model": x.model_name, "n_cpu_moe": x.key["n_cpu_moe"],
-                  "workload": x.key["workload"], "settings": _settings(x.key, {})}
+                  "workload": x.key["workload"], "settings": history.settings_label(x.key)}
                  for name, own, other in (("base", b, c), ("candidate", c, b)) for k, x in own.items() if k not in other]
     return {"cells": rows, "summary": _summary(rows), "unmatched": unmatched}
 
@@ -214,12 +219,6 @@ def _differing(base, cand) -> list[str]:
         diffs = [{f for f in history.KEY_FIELDS if b.key[f] != c.key[f]} for b in base]
         fields |= min(diffs, key=len) if diffs else set()
     return [f for f in history.KEY_FIELDS if f in fields]
-
-
-def _settings(key: dict, changed: dict) -> str:
-    shown = {f: key[f] for f in ("n_ctx", "n_ubatch", "threads", "flash_attn")} | changed
-    extra = "" if key["extra"] in ("", "{}") else f" {key['extra']}"
-    return " ".join(f"{k}={v}" for k, v in shown.items()) + extra
 
 
 def _summary(rows: list[dict]) -> list[dict]:
@@ -319,8 +318,7 @@ def compare(base, cand, threshold, alpha, metric, ignore, fail_on_regression, re
     ignored = split_list(ignore)
     if _pooled(base):
         fields = [k for k in history.KEY_FIELDS if k not in ignored]
-        base_side = _history_side(base, results_dir, cand_side, lambda c: tuple(
-            (c.key if isinstance(c, history.CellSamples) else c)[k] for k in fields))
+        base_side = _history_side(base, results_dir, cand_side, key_of(fields))
     else:
         base_side = _run_side(base, results_dir)
         if base_side.run_dir and base_side.run_dir.resolve() == cand_side.run_dir.resolve() and base_side.arm \

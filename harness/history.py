@@ -194,20 +194,21 @@ def history(engines, workloads, depths, last, results_dir, plot, fmt) -> None:
             (*params, *runs)).fetchall()
     table = []
     for run_id, started, arm, engine, model, ncm, wl, key, n, med, std, status in rows:
+        label = settings_label(dict(zip(KEY_FIELDS, json.loads(key))))
         table.append({"run": run_id + (f":{arm}" if arm else ""), "started": started[:19], "engine": engine,
-                      "model": model, "n_cpu_moe": ncm, "workload": wl, "settings": _settings(key), "n": n,
+                      "model": model, "n_cpu_moe": ncm, "workload": wl, "settings": label, "n": n,
                       "tok/s median": med, "± std": std if std is not None else float("nan"), "status": status})
     render(table, fmt, title=f"history ({len(runs)} runs)")
     _plot(table, Path(plot))
     click.echo(f"plot: {plot}", err=True)
 
 
-def _settings(key_text: str) -> str:
-    """The key fields a trend line is not already labelled by, compact: threads=2 n_ubatch=512 ..."""
-    key = dict(zip(KEY_FIELDS, json.loads(key_text)))
-    shown = ("n_ctx", "n_ubatch", "threads", "flash_attn")
+def settings_label(key: dict, changed: dict | None = None) -> str:
+    """The key fields a row is not already labelled by, compact: n_ctx=4096 n_ubatch=512 threads=2 ...;
+    `changed` adds fields shown as old→new (compare --ignore)."""
+    shown = {f: key[f] for f in ("n_ctx", "n_ubatch", "threads", "flash_attn")} | (changed or {})
     extra = "" if key["extra"] in ("", "{}") else f" {key['extra']}"
-    return " ".join(f"{k}={key[k]}" for k in shown) + extra
+    return " ".join(f"{k}={v}" for k, v in shown.items()) + extra
 
 
 def _plot(table: list[dict], out: Path) -> None:
