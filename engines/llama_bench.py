@@ -32,7 +32,7 @@ EFFECTIVE = {"n_threads": "threads", "n_batch": "n_batch", "n_ubatch": "n_ubatch
 
 
 def cache_root() -> Path:
-    from workloads.synth import cache_dir
+    from engines.paths import cache_dir
     return cache_dir() / "llama-bench"
 
 

@@ -96,7 +96,7 @@ def measure(threads: int | None = None, quick: bool = False) -> dict:
 
 
 def profile_path(hostname: str | None = None) -> Path:
-    from workloads.synth import cache_dir
+    from engines.paths import cache_dir
     return cache_dir() / "hardware" / f"{hostname or socket.gethostname()}.json"
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from engines.base import UserError
+from engines.paths import cache_dir
 
 
 @dataclass(frozen=True)
@@ -150,10 +151,6 @@ def synthesize(preset: str | Preset, out: str | Path, seed: int = 0, dtype: str 
     w.close()
     tmp.replace(out)   # atomic: a half-written file never looks like a model
     return out
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MOEBENCH_CACHE", Path.home() / ".cache" / "moebench"))
 
 
 def cached_model(spec: str, seed: int = 0) -> Path:
