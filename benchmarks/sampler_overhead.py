@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harness.sampler import Sampler  # noqa: E402
+from harness.run.sampler import Sampler  # noqa: E402
 from workloads.synth import cached_model  # noqa: E402
 
 CHILD = r'''

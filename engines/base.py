@@ -12,9 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-
-class UserError(Exception):
-    """Bad input from the user: the message is one sentence naming the problem and the fix."""
+from engines.errors import UserError
 
 
 @dataclass(frozen=True)

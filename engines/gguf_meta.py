@@ -9,7 +9,8 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engines.base import UserError, expert_layer
+from engines.base import expert_layer
+from engines.errors import UserError
 
 GGUF_MAGIC = b"GGUF"
 MAX_DIM = 1 << 40

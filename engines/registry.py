@@ -4,7 +4,8 @@ from __future__ import annotations
 import importlib
 import os
 
-from engines.base import Engine, UserError
+from engines.base import Engine
+from engines.errors import UserError
 
 ENGINES: dict[str, str] = {
     "reference": "engines.reference.engine:ReferenceEngine",

@@ -94,7 +94,7 @@ def backend(device: str) -> str:
         return "ggml_cpu"
     if device.startswith("cuda"):
         return "ggml_cuda"
-    from harness.hardware import gpus
+    from engines.devices import gpus
     return "ggml_cuda" if gpus() else "ggml_cpu"
 
 

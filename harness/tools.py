@@ -1,6 +1,6 @@
-"""`moebench tools`: helpers that fetch or build the external binaries the external engines drive.
+"""Building the external binaries the external engines drive.
 
-`build-llama-bench` builds llama-bench from the source distribution of the *installed*
+`build_llama_bench` builds llama-bench from the source distribution of the *installed*
 llama-cpp-python, so the llama-bench engine and the llama-cpp engine run the same llama.cpp commit
 (the sdist vendors it under vendor/llama.cpp). The result lands in
 <cache>/llama-bench/<llama-cpp-python version>/bin/llama-bench, where engines.llama_bench finds it.
@@ -16,11 +16,9 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import Callable
 
-import click
-
-from engines.base import UserError
-from harness.cli import user_errors
+from engines.errors import UserError
 
 
 def llama_cpp_python_version() -> str:
@@ -39,14 +37,14 @@ def llama_bench_dir(version: str) -> Path:
 
 def cuda_present() -> bool:
     """nvcc to build with and an NVIDIA GPU to run on (a CUDA build on a GPU-less host is useless)."""
-    from harness.hardware import gpus
+    from engines.devices import gpus
     return bool(shutil.which("nvcc")) and bool(gpus())
 
 
-def _run(cmd: list[str], log, cwd: Path | None = None) -> None:
+def _run(echo: Callable[[str], None], cmd: list[str], log, cwd: Path | None = None) -> None:
     # GIT_DIR: the sdist has no .git; without this, a cache dir inside some other git checkout would
     # stamp that checkout's commit into llama-bench's build_commit
-    click.echo("$ " + " ".join(cmd), err=True)
+    echo("$ " + " ".join(cmd))
     log.write(("$ " + " ".join(cmd) + "\n").encode())
     log.flush()
     r = subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
@@ -70,26 +68,15 @@ def _vendor_commit(src: Path, version: str) -> str:
     return m.group(1) if m else ""
 
 
-@click.group()
-def tools() -> None:
-    """Build the external binaries that the external engines (llama-bench) drive."""
-
-
-@tools.command("build-llama-bench")
-@click.option("--version", "version", default=None,
-              help="llama-cpp-python version whose vendored llama.cpp to build (default: the installed one).")
-@click.option("--cuda/--no-cuda", default=None, help="Build with CUDA (default: when nvcc and an NVIDIA GPU are present).")
-@click.option("-j", "--jobs", type=int, default=None, help="Parallel build jobs (default: all cores).")
-@click.option("--force", is_flag=True, help="Rebuild even if the cache already holds this version.")
-@user_errors
-def build_llama_bench(version, cuda, jobs, force) -> None:
-    """Build llama-bench from llama-cpp-python's source distribution into the cache directory."""
+def build_llama_bench(version: str | None, cuda: bool | None, jobs: int | None, force: bool,
+                      echo: Callable[[str], None] = print) -> str:
+    """Build llama-bench from llama-cpp-python's source distribution into the cache directory; returns what it did.
+    `echo` receives each command as it starts."""
     version = version or llama_cpp_python_version()
     dest = llama_bench_dir(version)
     binary = dest / "bin" / "llama-bench"
     if binary.is_file() and not force:
-        click.echo(f"already built: {binary} (--force rebuilds)")
-        return
+        return f"already built: {binary} (--force rebuilds)"
     cuda = cuda_present() if cuda is None else cuda
     if not shutil.which("cmake"):
         raise UserError("cmake is not on PATH; install it (e.g. `apt-get install cmake` or `pip install cmake`) and retry.")
@@ -98,7 +85,7 @@ def build_llama_bench(version, cuda, jobs, force) -> None:
     try:
         with open(dest / "build.log", "wb") as log:
             # pip reuses its cache, so a second build downloads nothing
-            _run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={version}", "--no-deps",
+            _run(echo, [sys.executable, "-m", "pip", "download", f"llama-cpp-python=={version}", "--no-deps",
                   "--no-binary", ":all:", "-d", str(work)], log)
             sdist = next(work.glob("llama_cpp_python-*.tar.gz"), None) or next(work.glob("*.tar.gz"), None)
             if sdist is None:
@@ -109,11 +96,11 @@ def build_llama_bench(version, cuda, jobs, force) -> None:
             src = next(p for p in work.iterdir() if p.is_dir() and (p / "vendor" / "llama.cpp").is_dir())
             llama = src / "vendor" / "llama.cpp"
             build = work / "build"
-            _run(["cmake", "-S", str(llama), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TOOLS=ON",
+            _run(echo, ["cmake", "-S", str(llama), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TOOLS=ON",
                   "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF",
                   "-DBUILD_SHARED_LIBS=OFF", f"-DGGML_CUDA={'ON' if cuda else 'OFF'}"]
                  + (["-G", "Ninja"] if shutil.which("ninja") else []), log)
-            _run(["cmake", "--build", str(build), "--target", "llama-bench", "-j", str(jobs or os.cpu_count() or 1)], log)
+            _run(echo, ["cmake", "--build", str(build), "--target", "llama-bench", "-j", str(jobs or os.cpu_count() or 1)], log)
             built = next(build.rglob("bin/llama-bench"))
             binary.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(built, binary)
@@ -123,5 +110,5 @@ def build_llama_bench(version, cuda, jobs, force) -> None:
             "llama_cpp_python": version, "cuda": cuda, "sdist": sdist.name, "llama_cpp_commit": commit}, indent=2))
     finally:   # the unpacked sdist and build tree are 1+ GB; a failed build keeps only build.log
         shutil.rmtree(work, ignore_errors=True)
-    click.echo(f"built {binary} (llama-cpp-python {version}, llama.cpp {commit or 'commit unknown'}, "
-               f"cuda={'on' if cuda else 'off'})")
+    return (f"built {binary} (llama-cpp-python {version}, llama.cpp {commit or 'commit unknown'}, "
+            f"cuda={'on' if cuda else 'off'})")

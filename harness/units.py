@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from engines.base import UserError
+from engines.errors import UserError
 
 GiB, MiB = 2**30, 2**20
 # GB/MB are decimal (what GPU vendors print), GiB/MiB and bare G/M binary (what `free -g` prints)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from harness import history, results
+from harness.store import history, results
 from harness.cli import cli
-from harness.compare import compare_samples, min_p_value, reps_needed
+from harness.analysis.compare import compare_samples, min_p_value, reps_needed
 from tests.conftest import moebench
 
 FP = "f00dfeedf00dfeed"

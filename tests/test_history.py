@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from harness import history, results
+from harness.store import history, results
 from harness.cli import cli
 from tests.conftest import moebench
 from tests.test_compare import make_run, noisy

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engines.base import UserError
-from harness.interleave import parse_engine_spec
+from engines.errors import UserError
+from harness.run.interleave import parse_engine_spec
 from tests.conftest import moebench
 
 def last_run(results_dir: Path) -> Path:

@@ -11,8 +11,8 @@ import pytest
 
 from engines.external import ExternalError
 from engines.llama_bench import LlamaBenchEngine, parse_jsonl, pick_record, samples_ns
-from harness.runner import run_sweep
-from harness.spec import SweepSpec
+from harness.run.sweep import run_sweep
+from harness.run.spec import SweepSpec
 
 from .conftest import moebench
 

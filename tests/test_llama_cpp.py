@@ -7,9 +7,9 @@ import pytest
 from engines.base import EngineSettings
 from engines.gguf_meta import read_meta
 from engines.llama_cpp import LlamaCppEngine, override_patterns
-from harness.results import CELL_COLUMNS, MEASUREMENT_COLUMNS, SAMPLE_COLUMNS
-from harness.runner import run_sweep
-from harness.spec import SweepSpec
+from harness.store.results import CELL_COLUMNS, MEASUREMENT_COLUMNS, SAMPLE_COLUMNS
+from harness.run.sweep import run_sweep
+from harness.run.spec import SweepSpec
 
 
 def test_override_patterns_do_not_leak_across_layers():

@@ -4,10 +4,12 @@ import hashlib
 import numpy as np
 import pytest
 
-from engines.base import UserError, expert_layer, parse_depth, resolve_depth
+from engines.base import expert_layer, parse_depth, resolve_depth
+from engines.errors import UserError
 from engines.gguf_meta import read_meta
-from harness.results import stats
-from harness.spec import SweepSpec, expand, split_list
+from harness.stats import stats
+from harness.cli.options import split_list
+from harness.run.spec import SweepSpec, expand
 from workloads.grammar import parse_workload, parse_workloads
 from workloads.synth import synthesize
 from workloads.tokens import token_stream, workload_tokens

@@ -6,8 +6,8 @@ import pytest
 
 from engines.base import EngineSettings
 from engines.gguf_meta import read_meta
-from harness.plan import PlanSettings, find_runs, make_plan
-from harness.results import read_csv
+from harness.planning.plan import PlanSettings, find_runs, make_plan
+from harness.store.results import read_csv
 from tests.conftest import moebench
 
 # tiny preset: 4 layers, n_embd 128, 4 heads / 2 kv heads x 32, 8 experts (top-2) x ff 64, vocab 1024, f32

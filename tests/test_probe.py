@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from harness import probe
+from harness.hw import probe
 from tests.conftest import moebench
 
 

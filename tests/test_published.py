@@ -5,7 +5,7 @@ import math
 import pandas as pd
 import pytest
 
-from harness.published import DATA
+from harness.analysis.published import load
 from tests.conftest import moebench
 
 
@@ -13,7 +13,7 @@ def test_recomputed_ratios_agree_with_the_printed_ones_on_every_row():
     r = moebench("published", "--format", "json")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
-    data = pd.read_csv(DATA)
+    data = load()
     groups = data.groupby(["doc_revision", "model", "n_cpu_moe"]).ngroups
     assert len(rows) == groups                                   # one row per revision x model x depth
     checked = 0

@@ -142,7 +142,7 @@ def test_per_node_runs_every_cell_on_every_node_and_resumes_per_node(cluster, ti
 def _hang_cell_worker(tmp: str) -> psutil.Process | None:
     """The Ray worker (a child of one of our raylets) whose child is a cell's worker process."""
     for p in psutil.process_iter(["cmdline"]):
-        if "harness.worker" in " ".join(p.info["cmdline"] or []):
+        if "harness.run.worker" in " ".join(p.info["cmdline"] or []):
             try:
                 ray_worker = p.parent()
                 if tmp in " ".join(ray_worker.parent().cmdline()):
@@ -212,8 +212,8 @@ def test_ctrl_c_stops_the_running_cell_on_its_node(cluster, tiny, tmp_path):
 
 
 def test_model_missing_or_different_on_a_node_is_a_failed_cell_with_the_reason(tiny, tmp_path):
-    from harness.ray_runner import _model_on_node
-    from harness.spec import SweepSpec, expand
+    from harness.run.ray import _model_on_node
+    from harness.run.spec import SweepSpec, expand
 
     cell = expand(SweepSpec(models=[str(tiny)], engines=["llama-cpp"], workloads=["pp16"]))[0]
     _, why = _model_on_node(cell.__class__(**{**cell.__dict__, "model": tmp_path / "gone.gguf"}), 0, None)

@@ -4,11 +4,11 @@ import math
 
 import pytest
 
-from engines.base import UserError
+from engines.errors import UserError
 from engines.gguf_meta import read_meta
-from harness.plan import PlanSettings, make_plan
-from harness.recommend import recommend_depth
-from harness.results import append_rows
+from harness.planning.plan import PlanSettings, make_plan
+from harness.planning.recommend import recommend_depth
+from harness.store.results import append_rows
 from harness.units import parse_size
 from tests.conftest import moebench
 
@@ -119,7 +119,7 @@ def test_cli_table_and_json_with_results(meta, tmp_path):
 
 
 def test_vram_defaults_to_the_gpu_or_asks_for_it(meta):
-    from harness.hardware import gpus
+    from harness.hw.host import gpus
     r = moebench("recommend", "-m", meta.path, "--ctx", "256")
     if gpus():
         assert r.returncode == 0 and "free on GPU 0" in r.stdout

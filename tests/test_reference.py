@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from engines.base import EngineSettings, UserError
+from engines.base import EngineSettings
+from engines.errors import UserError
 from engines.reference.engine import ReferenceEngine
 from workloads.synth import PRESETS, _metadata, synthesize, tensor_shapes
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines.base import EngineSettings, UserError
+from engines.base import EngineSettings
+from engines.errors import UserError
 from engines.reference import kernels
 from engines.reference.engine import ReferenceEngine
 from tests.conftest import moebench, run_dir_of

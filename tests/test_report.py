@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness import results
+from harness.store import results
 from tests.conftest import ROOT, moebench
 
 HOSTILE = "<script>alert(1)</script>|**x**_`y`"

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from engines.gguf_meta import read_meta
-from harness.roofline import CellShape, bound
+from harness.planning.roofline import CellShape, bound
 
 EXPERTS = 4 * 3 * 8 * 64 * 128 * 4          # tiny: routed-expert bytes (f32), 4 layers
 W_READ = 1857024 - 1024 * 128 * 4           # non-expert bytes minus the embedding table (a row lookup)
@@ -60,8 +60,8 @@ def test_no_profile_gives_nan_not_a_guess(meta):
 
 
 def test_annotate_real_sweep(tiny, tmp_path):
-    from harness import results
-    from harness.roofline import annotate
+    from harness.store import results
+    from harness.planning.roofline import annotate
     from tests.conftest import moebench
 
     r = moebench("sweep", "-m", tiny, "-e", "llama-cpp", "--n-cpu-moe", "0,2", "-w", "pp16,tg4", "-r", "1",

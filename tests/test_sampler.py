@@ -5,7 +5,7 @@ import subprocess
 import sys
 import time
 
-from harness.sampler import Sampler, peaks
+from harness.run.sampler import Sampler, peaks
 
 # a child that starts a grandchild; each touches a known number of MiB, reports, and holds it
 CHILD = r"""

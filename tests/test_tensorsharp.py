@@ -11,8 +11,8 @@ import pytest
 
 from engines.external import ExternalError
 from engines.tensorsharp import max_context, parse_output, plan, run_ns
-from harness.runner import run_sweep
-from harness.spec import SweepSpec
+from harness.run.sweep import run_sweep
+from harness.run.spec import SweepSpec
 from workloads.grammar import parse_workload
 
 from .conftest import moebench

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from engines.base import UserError
+from engines.errors import UserError
 
 DEFAULT_WORKLOADS = "pp4096,pp8192,tg128"
 _NAME = re.compile(r"(pp|tg)(\d+)(?:@d(\d+))?")

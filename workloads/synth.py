@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engines.base import UserError
+from engines.errors import UserError
 from engines.paths import cache_dir
 
 
@@ -159,3 +159,8 @@ def cached_model(spec: str, seed: int = 0) -> Path:
     p = get_preset(name, rest[0] if rest else None)
     path = cache_dir() / "models" / f"{name}-{p.dtype}-s{seed}.gguf"
     return path if path.exists() else synthesize(name, path, seed=seed, dtype=p.dtype)
+
+
+def resolve_model(m: str, seed: int = 0) -> Path:
+    """A -m/--model value: `preset:NAME[:DTYPE]` (synthesized once into the cache) or a file path."""
+    return cached_model(m, seed) if m.startswith("preset:") else Path(m)

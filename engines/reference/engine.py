@@ -25,7 +25,8 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from engines.base import Engine, EngineInfo, EngineSettings, UserError, resolve_depth
+from engines.base import Engine, EngineInfo, EngineSettings, resolve_depth
+from engines.errors import UserError
 
 VERSION = "0.1.0"
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engines.base import UserError
+from engines.errors import UserError
 from engines.gguf_meta import ModelMeta, TensorEntry
 
 FLOAT_TYPES = ("F32", "F16", "BF16")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engines.base import UserError
+from engines.errors import UserError
 from engines.gguf_meta import ModelMeta
 
 

@@ -17,15 +17,26 @@ and down (E, D, ff). Rows are split over torch's intra-op threads (at::parallel_
 Compiled once (g++ and ninja needed, ~30 s) by torch.utils.cpp_extension.load_inline into
 cache_dir()/kernels/torch-VERSION; load_inline rebuilds when the source
 (bf16_decode.cpp, beside this file) changes.
+
+Quantized weights (quant.cpp, quant_kernels.h; quant_kernels()): matvec, matmul, dequant and the
+fused routed-expert step straight from GGUF bytes (QTensor) for F32, F16, BF16, Q8_0, Q4_0, MXFP4,
+Q4_K, Q5_K, Q6_K and IQ4_XS. Built once per ISA variant, each in its own directory and under its own
+extension name: "avx2" (AVX2 + FMA + F16C, the baseline) and "avx512" (+ AVX512 F/BW/VL/DQ/VNNI/BF16:
+vpdpbusd dots, 16-lane float kernels, bf16 scratch for oneDNN's bf16 GEMM). pick_isa() chooses one per
+process (MOEBENCH_ISA=auto|avx2|avx512); a variant is never loaded on a CPU without its flags, so a
+forced avx512 on an AVX2 machine is a message, not a SIGILL.
 """
 from __future__ import annotations
 
 import functools
 import mmap
+import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from engines.reference.qtensor import TYPES, QTensor, expected_bytes
 
 SOURCE = Path(__file__).with_name("bf16_decode.cpp")
 FUNCTIONS = ["matvec", "moe_decode", "rms_norm", "attn_decode", "route_decode"]
@@ -118,3 +129,170 @@ class DecodeKernels:
         """x: (1, D) f32 residual -> h (1, D) f32 normed, w (1, k) f32, ids (1, k)."""
         return tuple(self.ext.route_decode(x.contiguous(), lw.ffn_norm, cfg.rms_eps, lw.router, cfg.n_expert_used,
                                            cfg.spec.norm_topk, cfg.expert_weights_scale))
+
+
+QUANT_SOURCE = Path(__file__).with_name("quant.cpp")
+# -ffp-contract=off: no mul + add fused behind our back, so dequant rounds exactly as ggml and gguf-py do
+QUANT_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx2", "-mfma", "-mf16c"]
+# ISA variant -> (the /proc/cpuinfo flags it needs, its extra compiler flags)
+ISAS: dict[str, tuple[tuple[str, ...], list[str]]] = {
+    "avx2": (("avx2", "fma", "f16c"), []),
+    "avx512": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"),
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"]),
+}
+
+
+def missing_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:
+    """The CPU flags variant `isa` needs that `flags` (default: this CPU's) lacks."""
+    have = cpu_flags() if flags is None else flags
+    return [f for f in ISAS[isa][0] if f not in have]
+
+
+def pick_isa(flags: frozenset[str] | None = None) -> str:
+    """The quant kernels' variant for this process: MOEBENCH_ISA=avx2|avx512 as asked, or (auto, the
+    default) the widest one the CPU runs. Raises ValueError saying what is missing."""
+    want = os.environ.get("MOEBENCH_ISA", "auto").strip().lower() or "auto"
+    if want != "auto":
+        if want not in ISAS:
+            raise ValueError(f"MOEBENCH_ISA={want}: expected auto, {', '.join(ISAS)}")
+        if missing := missing_flags(want, flags):
+            raise ValueError(f"MOEBENCH_ISA={want}, but the CPU lacks {', '.join(missing)}")
+        return want
+    for isa in ("avx512", "avx2"):
+        if not missing_flags(isa, flags):
+            return isa
+    raise ValueError(f"the quant kernels need at least AVX2, FMA and F16C; the CPU lacks {', '.join(missing_flags('avx2', flags))}")
+
+
+@functools.cache
+def load_quant(isa: str):
+    """The compiled quant extension of variant `isa`, or the reason it is unavailable (str). Compiles
+    once (~1 min; ninja rebuilds when quant.cpp or quant_kernels.h change)."""
+    if missing := missing_flags(isa):
+        return f"the CPU lacks {', '.join(missing)}, which the {isa} kernels need"
+    from torch.utils.cpp_extension import load
+
+    from engines.paths import cache_dir
+    build = cache_dir() / "kernels" / f"torch-{torch.__version__}" / f"quant-{isa}"
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        return load(f"moebench_quant_{isa}", [str(QUANT_SOURCE)], extra_cflags=QUANT_CFLAGS + ISAS[isa][1],
+                    extra_ldflags=["-fopenmp"], extra_include_paths=[str(QUANT_SOURCE.parent)], build_directory=str(build))
+    except Exception as e:   # no compiler, no ninja, ...
+        return f"compile failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def quant_kernels(isa: str | None = None) -> "QuantKernels | str":
+    """The quant kernels of `isa` (default pick_isa()), or why there are none (str)."""
+    if isa is None:
+        try:
+            isa = pick_isa()
+        except ValueError as e:
+            return str(e)
+    ext = load_quant(isa)
+    return ext if isinstance(ext, str) else QuantKernels(ext, isa)
+
+
+ACTIVATIONS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
+ROWS_MAX_N = 4   # matmul: up to this many x rows, matmul_rows; more: dequantized tiles + GEMM
+
+
+def _raw(qt: QTensor, what: str) -> torch.Tensor:
+    """qt's bytes, after checking that they are what its type and shape say (GGUF files are untrusted)."""
+    if qt.type not in TYPES:
+        raise ValueError(f"{what}: ggml type {qt.type!r} has no kernel ({', '.join(TYPES)})")
+    r = qt.raw
+    if not (isinstance(r, torch.Tensor) and r.dtype == torch.uint8 and r.dim() == 1 and r.is_contiguous() and r.device.type == "cpu"):
+        raise ValueError(f"{what}: raw must be a 1-D contiguous uint8 CPU tensor")
+    block = TYPES[qt.type][1]
+    if len(qt.shape) < 1 or min(qt.shape) < 1 or qt.k % block:
+        raise ValueError(f"{what}: shape {qt.shape} is not rows of whole {qt.type} blocks of {block}")
+    if r.numel() != expected_bytes(qt.type, qt.shape):
+        raise ValueError(f"{what}: {r.numel()} bytes, but {qt.type} {qt.shape} takes {expected_bytes(qt.type, qt.shape)}")
+    return r
+
+
+def _x(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
+    if not (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 and x.shape[-1] == k):
+        raise ValueError(f"{what}: f32 CPU tensor with last dim {k}, got {getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+    return x
+
+
+class QuantKernels:
+    """quant.cpp as the engine calls it: products with QTensor weights (N, K) as stored. Block-quantized
+    types take x quantized to int8 per 32 values (scale max|x|/127, like ggml's q8_0, scale kept f32);
+    F32/F16/BF16 multiply x in f32. `isa` is the variant in use (the engine's info())."""
+
+    def __init__(self, ext, isa: str):
+        self.ext, self.isa = ext, isa
+
+    def matvec(self, qt: QTensor, x: torch.Tensor) -> torch.Tensor:
+        """W x for one activation row: x (K,) or (1, K) f32 -> (N,) or (1, N) f32."""
+        raw = _raw(qt, "weight")
+        if len(qt.shape) != 2 or _x(x, qt.k, "x").numel() != qt.k:
+            raise ValueError(f"matvec: a (N, K) weight and one row of K values, got {qt.shape} and {tuple(x.shape)}")
+        return self.ext.matvec(raw, 0, qt.code, qt.n_rows, qt.k, x).reshape(*x.shape[:-1], qt.n_rows)
+
+    def matmul(self, qt: QTensor, x: torch.Tensor, rows_max_n: int | None = None) -> torch.Tensor:
+        """x W^T: x (..., K) f32 -> (..., N) f32. Up to rows_max_n rows (default ROWS_MAX_N) every weight
+        row is read once for all of them, with int8 x (quantized types); more rows go through
+        per-tile dequantized scratch and the GEMM (f32; bf16 on the avx512 variant, whose results
+        are then rounded to bf16 once)."""
+        raw = _raw(qt, "weight")
+        if len(qt.shape) != 2:
+            raise ValueError(f"matmul: a (N, K) weight, got {qt.shape}")
+        _x(x, qt.k, "x")
+        y = self.ext.matmul(raw, 0, qt.code, qt.n_rows, qt.k, x, ROWS_MAX_N if rows_max_n is None else rows_max_n)
+        return y.reshape(*x.shape[:-1], qt.n_rows)
+
+    def dequant(self, qt: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The values of qt (any shape, rows of K) as f32 or bf16: bit-exact ggml/gguf-py dequantization
+        (bf16: those f32 values rounded to nearest even)."""
+        raw = _raw(qt, "weight")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dequant: dtype float32 or bfloat16, not {dtype}")
+        out = torch.empty(qt.shape, dtype=dtype)
+        self.ext.dequant(raw, 0, qt.code, out.numel() // qt.k, qt.k, out)
+        return out
+
+    def moe_decode(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate: QTensor, up: QTensor | None,
+                   down: QTensor, act: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+                   gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
+                   down_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """One token's routed experts: sum_j w_j (down_e act(gate_e x + gate_bias_e, up_e x + up_bias_e)
+        + down_bias_e), e = ids_j. x (D,) or (1, D) f32 -> the same shape; ids, w: k values each.
+        gate, up: (E, ff, D) stacks, or up None and gate the fused (E, 2 ff, D) gate_up (gate rows
+        first); down (E, D, ff); biases f32 (E, ff), (E, ff), (E, D). act: silu (silu(g) u), gelu
+        (ggml's tanh GELU(g) u) or swiglu_oai (gpt-oss: g = min(g, limit), u = clamp(u, +-limit),
+        g sigmoid(alpha g) (u + 1))."""
+        if act not in ACTIVATIONS:
+            raise ValueError(f"act: one of {', '.join(ACTIVATIONS)}, not {act!r}")
+        graw, draw = _raw(gate, "gate"), _raw(down, "down")
+        if len(gate.shape) != 3 or len(down.shape) != 3:
+            raise ValueError(f"moe_decode: expert stacks (E, N, K), got gate {gate.shape}, down {down.shape}")
+        E, D = gate.shape[0], gate.shape[2]
+        if up is None:                                   # fused gate_up: two views of one stack
+            if gate.shape[1] % 2:
+                raise ValueError(f"moe_decode: fused gate_up {gate.shape} needs an even row count")
+            ff = gate.shape[1] // 2
+            urow = (graw, ff * gate.row_bytes, 2 * ff * gate.row_bytes, gate.code)
+            grow = (graw, 0, 2 * ff * gate.row_bytes, gate.code)
+        else:
+            ff = gate.shape[1]
+            if up.shape != gate.shape:
+                raise ValueError(f"moe_decode: up {up.shape} differs from gate {gate.shape}")
+            grow = (graw, 0, ff * gate.row_bytes, gate.code)
+            urow = (_raw(up, "up"), 0, ff * up.row_bytes, up.code)
+        if down.shape != (E, D, ff):
+            raise ValueError(f"moe_decode: down {down.shape}, expected {(E, D, ff)}")
+        _x(x, D, "x")
+        if x.numel() != D or ids.numel() != w.numel() or ids.numel() < 1 or ids.dim() > 2 or ids.dtype.is_floating_point:
+            raise ValueError(f"moe_decode: one row x, integer ids and w of the same length, got {tuple(x.shape)}, {tuple(ids.shape)}, {tuple(w.shape)}")
+        if int(ids.min()) < 0 or int(ids.max()) >= E:
+            raise ValueError(f"moe_decode: expert ids must lie in [0, {E})")
+        for b, shape, what in ((gate_bias, (E, ff), "gate_bias"), (up_bias, (E, ff), "up_bias"), (down_bias, (E, D), "down_bias")):
+            if b is not None and (b.dtype != torch.float32 or tuple(b.shape) != shape):
+                raise ValueError(f"moe_decode: {what} must be f32 {shape}, got {b.dtype} {tuple(b.shape)}")
+        y = self.ext.moe_decode(x, ids, w, E, ff, *grow, *urow, draw, 0, D * down.row_bytes, down.code,
+                                ACTIVATIONS[act], alpha, limit, gate_bias, up_bias, down_bias)
+        return y.reshape(x.shape)

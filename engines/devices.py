@@ -1,0 +1,65 @@
+"""NVIDIA GPUs through NVML (nvidia-ml-py), in one place: the host fingerprint, the memory sampler,
+`recommend`'s free-VRAM default and the engines that pick a CUDA backend all ask here. Without a
+driver or a GPU every function answers "none" instead of raising."""
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def _nvml():
+    """The initialized pynvml module, or None (no package, no driver, no GPU)."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return pynvml if pynvml.nvmlDeviceGetCount() else None
+    except Exception:        # NVMLError_LibraryNotFound, DriverNotLoaded, ...: all mean "no NVIDIA GPU here"
+        return None
+
+
+def gpus() -> list[dict]:
+    """Each GPU: index, name, uuid, vram_mib, driver, pcie ("gen5 x16" or ""); [] without one."""
+    nv = _nvml()
+    if nv is None:
+        return []
+    out = []
+    for i in range(nv.nvmlDeviceGetCount()):
+        h = nv.nvmlDeviceGetHandleByIndex(i)
+        d = {"index": i, "name": nv.nvmlDeviceGetName(h), "uuid": nv.nvmlDeviceGetUUID(h),
+             "vram_mib": nv.nvmlDeviceGetMemoryInfo(h).total / 2**20, "driver": nv.nvmlSystemGetDriverVersion()}
+        try:
+            d["pcie"] = f"gen{nv.nvmlDeviceGetCurrPcieLinkGeneration(h)} x{nv.nvmlDeviceGetCurrPcieLinkWidth(h)}"
+        except Exception:    # not reported on some boards (e.g. SXM)
+            d["pcie"] = ""
+        out.append(d)
+    return out
+
+
+def free_vram(index: int = 0) -> int | None:
+    """Free bytes on GPU `index`, or None without a GPU."""
+    nv = _nvml()
+    if nv is None:
+        return None
+    return int(nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(index)).free)
+
+
+class Nvml:
+    """Device handles and a device-memory baseline for sampling; `ok` is False without a GPU."""
+
+    def __init__(self) -> None:
+        self.nv = _nvml()
+        self.handles = [self.nv.nvmlDeviceGetHandleByIndex(i) for i in range(self.nv.nvmlDeviceGetCount())] \
+            if self.nv else []
+        self.ok = bool(self.handles)
+        self.baseline = self.device_used() if self.ok else 0
+
+    def device_used(self) -> int:
+        return sum(self.nv.nvmlDeviceGetMemoryInfo(h).used for h in self.handles)
+
+    def proc_used(self, pids: set[int]) -> int:
+        total = 0
+        for h in self.handles:
+            for p in self.nv.nvmlDeviceGetComputeRunningProcesses(h):
+                if p.pid in pids and p.usedGpuMemory:
+                    total += p.usedGpuMemory
+        return total

@@ -1,0 +1,82 @@
+"""A weight as the GGUF file stores it: its raw bytes, its ggml type and its shape.
+
+The reference engine never expands a matrix into a whole float copy: it computes from these bytes
+(CPU kernels in engines.reference.kernels; on CUDA, engines.reference.dequant into a per-layer scratch).
+`raw` is a 1-D uint8 tensor: a zero-copy view of the file mapping, or one copy of the same bytes
+(huge pages, page-locked host memory, or device memory). Rows are stored one after another, each
+`row_bytes` long; an expert stack (E, N, K) is E matrices of N rows each, expert e starting at byte
+e * N * row_bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+# ggml type name -> (ggml type id, values per block, bytes per block); ggml/include/ggml.h, ggml-common.h
+TYPES: dict[str, tuple[int, int, int]] = {
+    "F32": (0, 1, 4), "F16": (1, 1, 2), "BF16": (30, 1, 2),
+    "Q4_0": (2, 32, 18), "Q8_0": (8, 32, 34), "MXFP4": (39, 32, 17),
+    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "IQ4_XS": (23, 256, 136),
+}
+
+
+@dataclass(frozen=True)
+class QTensor:
+    raw: torch.Tensor              # (n_bytes,) uint8, contiguous
+    type: str                      # a key of TYPES
+    shape: tuple[int, ...]         # numpy order: (..., N, K); K values per row
+
+    @property
+    def code(self) -> int:
+        return TYPES[self.type][0]
+
+    @property
+    def k(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def n_rows(self) -> int:
+        """Rows of one matrix (N); an expert stack has shape[0] of them."""
+        return self.shape[-2] if len(self.shape) > 1 else 1
+
+    @property
+    def row_bytes(self) -> int:
+        _, block, size = TYPES[self.type]
+        return self.k // block * size
+
+    @property
+    def matrix_bytes(self) -> int:
+        return self.n_rows * self.row_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+    def expert(self, e: int) -> "QTensor":
+        """Matrix e of an expert stack (E, N, K), a view of the same bytes."""
+        n = self.matrix_bytes
+        return QTensor(self.raw[e * n:(e + 1) * n], self.type, self.shape[1:])
+
+    def rows(self, start: int, stop: int) -> "QTensor":
+        """Rows start..stop-1 of a matrix (N, K), a view (e.g. the gate half of a fused gate_up matrix)."""
+        rb = self.row_bytes
+        return QTensor(self.raw[start * rb:stop * rb], self.type, (stop - start, self.k))
+
+    def with_raw(self, raw: torch.Tensor) -> "QTensor":
+        """The same tensor held in other memory (a copy of the bytes: pinned, huge pages, a device)."""
+        assert raw.dtype == torch.uint8 and raw.numel() == self.raw.numel()
+        return replace(self, raw=raw)
+
+
+def expected_bytes(ggml_type: str, shape: tuple[int, ...]) -> int:
+    """Bytes a tensor of this type and numpy shape occupies; rows must be whole blocks."""
+    _, block, size = TYPES[ggml_type]
+    n = 1
+    for d in shape:
+        n *= d
+    return n // block * size

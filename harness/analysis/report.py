@@ -1,0 +1,271 @@
+"""`moebench report`: turn one or more result directories into report.md, a self-contained report.html
+(plots embedded as data URIs, no external scripts, fonts or stylesheets) and PNG plots.
+
+Reads result files only (harness.store.results); never runs an engine. Every string that came from a GGUF
+file or a result file is escaped for its output (HTML: html.escape; Markdown: backslash escapes).
+"""
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engines.errors import UserError
+from harness.analysis.tables import md_escape
+
+A_PREFERRED, B_PREFERRED = ("tensorsharp", "reference"), ("llama-bench", "llama-cpp")
+SETTINGS = ["n_ctx", "n_batch", "n_ubatch", "threads", "flash_attn", "device", "dtype", "mmap", "extra",
+            "expert_host_fraction", "expert_bytes_host", "host", "node"]
+@dataclass
+class P:
+    """A paragraph: a trusted template with untrusted fields, escaped per output format."""
+    template: str
+    fields: dict = field(default_factory=dict)
+
+    def md(self) -> str:
+        return self.template.format(**{k: md_escape(v) for k, v in self.fields.items()})
+
+    def html(self) -> str:
+        return html.escape(self.template).format(**{k: html.escape(str(v)) for k, v in self.fields.items()})
+
+
+@dataclass
+class Report:
+    out_dir: Path
+    blocks: list = field(default_factory=list)     # ("h", level, P) | ("p", P) | ("table", P, rows) | ("img", path, P)
+    tables: list = field(default_factory=list)     # (title, raw rows) for stdout
+
+    def print_tables(self, fmt: str) -> None:
+        from harness.analysis.published import display
+        from harness.analysis.tables import render
+        if fmt in ("csv", "json"):
+            render([r for _, rows in self.tables[:1] for r in rows], fmt)    # the published-layout rows
+            return
+        for title, rows in self.tables:
+            render(display(rows), fmt, title)      # md: tables.markdown escapes every cell
+
+
+def load_runs(run_dirs: list[Path]):
+    """(runs, cells, measurements, samples) of every run; cell ids prefixed by run id when merging runs."""
+    import pandas as pd
+    from harness.store import results
+
+    runs, frames = [], []
+    for d in run_dirs:
+        run, *fs = results.load_frames(d)
+        if len(run_dirs) > 1:
+            for f in fs:
+                f["cell_id"] = run["run_id"] + ":" + f["cell_id"].astype(str)
+        runs.append(run)
+        frames.append(fs)
+    cells, meas, samples = (pd.concat([f[i] for f in frames], ignore_index=True) for i in range(3))
+    # The latest cell wins when runs repeat one (engine, model, depth).
+    cells = cells.drop_duplicates(["engine", "model_name", "n_cpu_moe"], keep="last")
+    return runs, cells, meas, samples
+
+
+def pick_engines(engines: list[str], engine_a: str | None, baseline: str | None) -> tuple[str, str]:
+    for e in (engine_a, baseline):
+        if e and e not in engines:
+            raise UserError(f"Engine {e!r} is not in these results; choose from: {', '.join(engines)}.")
+    b = baseline or next((e for e in B_PREFERRED if e in engines), engines[0])
+    a = engine_a or next((e for e in [*A_PREFERRED, *engines] if e in engines and e != b), "(none)")
+    return a, b
+
+
+def reason(cell) -> str:
+    err = str(cell["error"]) if isinstance(cell["error"], str) else ""
+    err = err.split(" | log tail")[0]
+    return f"{cell['status']} ({err[:80]}{'...' if len(err) > 80 else ''})" if err else str(cell["status"])
+
+
+def getter(cells, summary, stat: str):
+    """get(engine, depth, metric) for published.layout_rows: a number, or why there is none."""
+    def get(engine: str, depth: int, metric: str):
+        c = cells[(cells["engine"] == engine) & (cells["n_cpu_moe"] == depth)]
+        if c.empty:
+            return "not run"
+        c = c.iloc[-1]
+        if c["status"] != "ok":
+            return reason(c)
+        if metric == "vram":
+            return "not measured" if math.isnan(c["peak_vram_mib"]) else float(c["peak_vram_mib"])
+        s = summary[(summary["engine"] == engine) & (summary["n_cpu_moe"] == depth) & (summary["workload"] == metric)]
+        return "not run" if s.empty else float(s.iloc[0][stat])
+    return get
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+    return out
+
+
+def _settings(cell, meas) -> dict:
+    """What a cell asked for, what the engine reports it did (effective), and its decode context depths."""
+    m = meas[meas["cell_id"] == cell["cell_id"]]
+    tg = sorted({int(x) for x in m.loc[m["n_gen"] > 0, "n_depth"]}) if not m.empty else []
+    out = {k: cell.get(k, "") for k in SETTINGS}          # older runs lack newer columns
+    out["expert_host_fraction"] = f"{float(cell['expert_host_fraction']):.3f}"
+    out["workloads"] = ", ".join(dict.fromkeys(m["workload"])) if not m.empty else ""
+    out["decode context depth"] = ", ".join(map(str, tg))
+    try:
+        eff = json.loads(cell["effective_settings"]) if isinstance(cell["effective_settings"], str) else {}
+    except json.JSONDecodeError:
+        eff = {}
+    out |= {f"{k} (effective)": v for k, v in _flat(eff).items()}
+    return {k: str(v) for k, v in out.items()}
+
+
+def fairness_rows(cells, meas, a: str, b: str, depths: list[int]) -> list[dict]:
+    """Every setting that differed between A and B at one depth (asked, effective, workload context)."""
+    rows = []
+    for d in depths:
+        ca, cb = (cells[(cells["engine"] == e) & (cells["n_cpu_moe"] == d)] for e in (a, b))
+        if ca.empty or cb.empty:
+            continue
+        sa, sb = _settings(ca.iloc[-1], meas), _settings(cb.iloc[-1], meas)
+        for k in [k for k in sa if k in sb and sa[k] != sb[k] and sa[k] and sb[k]]:
+            rows.append({"n_cpu_moe": d, "setting": k, a: sa[k], b: sb[k]})
+    return rows
+
+
+def _runs_rows(runs: list[dict]) -> list[dict]:
+    rows = []
+    for r in runs:
+        h, s = r.get("host", {}), r.get("spec", {})
+        rows.append({"run": r["run_id"], "started": r.get("started", "")[:19], "CPU": h.get("cpu", ""),
+                     "threads": h.get("cores_logical", ""), "RAM GiB": f"{h.get('ram_mib', 0) / 1024:.0f}",
+                     "GPU": h.get("gpu_name") or "none", "commit": h.get("git_commit", ""),
+                     "engines": ", ".join(s.get("engines", [])), "workloads": ", ".join(s.get("workloads", [])),
+                     "repetitions": s.get("repetitions", "")})
+    return rows
+
+
+def _summary_rows(summary) -> list[dict]:
+    return [{"engine": r.engine, "n_cpu_moe": r.n_cpu_moe, "workload": r.workload,
+             "status": r.status if r.status == "ok" else reason(r._asdict()), "median tok/s": r.tps_median,
+             "std": r.tps_std, "cv %": 100 * r.tps_cv, "min": r.tps_min, "max": r.tps_max, "n": r.tps_n,
+             "peak RAM MiB": r.peak_rss_mib, "peak VRAM MiB": r.peak_vram_mib}
+            for r in summary.sort_values(["engine", "n_cpu_moe"], kind="stable").itertuples()]
+
+
+def write_report(run_dirs: list[Path], out_dir: Path, engine_a: str | None = None, baseline: str | None = None,
+                 against: str | None = None, revision: str = "final") -> Report:
+    """Build the report of run_dirs into out_dir (report.md, report.html, *.png); returns it."""
+    from harness.analysis import plots, published
+    from harness.store import results
+
+    runs, cells, meas, samples = load_runs(run_dirs)
+    if cells.empty:
+        raise UserError(f"No finished cells in {', '.join(map(str, run_dirs))}; run a sweep first (moebench sweep).")
+    a, b = pick_engines(sorted(cells["engine"].unique()), engine_a, baseline)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = results.summarize(cells, meas)
+    rep = Report(out_dir)
+    H = lambda level, t, **f: rep.blocks.append(("h", level, P(t, f)))
+    para = lambda t, **f: rep.blocks.append(("p", P(t, f)))
+    table = lambda rows, t, **f: rep.blocks.append(("table", P(t, f), rows))
+    H(1, "moebench report: {runs}", runs=", ".join(r["run_id"] for r in runs))
+    table(_runs_rows(runs), "Runs and hosts")
+    if not any(r.get("host", {}).get("gpus") for r in runs):
+        para("No GPU: VRAM not measured (the VRAM columns say so instead of showing zeros).")
+    for i, (model, mcells) in enumerate(cells.groupby("model_name", sort=False)):
+        ms = summary[summary["model_name"] == model]
+        first = mcells.iloc[0]
+        depths = sorted(int(d) for d in mcells["n_cpu_moe"].unique())
+        wls = [w for w in dict.fromkeys(ms["workload"]) if isinstance(w, str) and w]
+        H(2, "Model {m}", m=model)
+        para("{arch}, {n} layers ({moe} MoE), fingerprint {fp}, file {path}.", arch=first["arch"],
+             n=first["n_layers"], moe=first["n_moe_layers"], fp=first["model_fingerprint"], path=first["model"])
+        layout = published.layout_rows(depths, wls, a, b, getter(mcells, ms, "tps_median"))
+        title = f"{model}: A = {a}, B = {b} (baseline); median tok/s; ratio = A / B"
+        table(published.display(layout), "Published layout. A = {a}, B = {b} (baseline); throughput = median tok/s "
+              "over the repetitions; ratio = A / B; failed cells name their status.", a=a, b=b)
+        rep.tables.append((title, [{"model": model} | r for r in layout]))
+        fair = fairness_rows(mcells, meas, a, b, depths)
+        if fair:
+            table(fair, "Fairness: settings that differed between {a} and {b} at the same depth", a=a, b=b)
+        else:
+            para("Fairness: no compared setting differed between {a} and {b} ({s}, workloads, decode context "
+                 "depth, effective settings).", a=a, b=b, s=", ".join(SETTINGS))
+        rep.tables.append((f"{model}: fairness ({a} vs {b})", fair or [{"note": "no compared setting differed"}]))
+        table(published.display(_summary_rows(ms)), "All cells (tok/s over the repetitions)")
+        stem = f"m{i}_"
+        figs = [*plots.throughput(ms, out_dir, stem), *plots.speedup(ms, b, out_dir, stem),
+                *plots.memory(ms, out_dir, stem)]
+        for e, g in mcells[mcells["status"] == "ok"].groupby("engine"):
+            c = g.sort_values("n_cpu_moe").iloc[-1]          # the most offloaded cell shows the most traffic
+            figs += plots.timeline(samples, c["cell_id"], f"{e} n_cpu_moe={c['n_cpu_moe']}: memory timeline",
+                                   out_dir, f"{stem}timeline_{plots.slug(e)}")
+        for f in figs:
+            rep.blocks.append(("img", f, P("{name}", {"name": f.stem})))
+        if against:
+            _against(rep, runs, mcells, ms, meas, a, b, against, revision)
+    (out_dir / "report.md").write_text(to_markdown(rep))
+    (out_dir / "report.html").write_text(to_html(rep))
+    return rep
+
+
+def _against(rep: Report, runs, mcells, ms, meas, a, b, model: str, revision: str) -> None:
+    from harness.analysis import published
+
+    df = published.select(published.load(), model=model, revision=revision)
+    model = df["model"].iloc[0]                       # the published spelling
+    first = mcells.iloc[0]
+    rows = published.against_rows(df, a, b, getter(mcells, ms, "tps_max"), int(first["n_layers"]),
+                                  [w for w in dict.fromkeys(meas["workload"]) if isinstance(w, str)])
+    hw = published.hardware_rows(df, runs[-1].get("host", {}),
+                                 {"name": first["model_name"], "n_moe_layers": first["n_moe_layers"]})
+    rep.blocks.append(("h", 2, P("Against published: {m} ({r})", {"m": model, "r": df["doc_revision"].iloc[0]})))
+    rep.blocks.append(("table", P("Hardware and model: published vs this run"), hw))
+    rep.blocks.append(("p", P("{a} stands for {A}, {b} for {B}. Measured throughput is the best of the repetitions, "
+                              "as published. Different hardware or model: compare ratios, not absolute numbers.",
+                              {"a": a, "b": b, "A": published.A, "B": published.B})))
+    rep.blocks.append(("table", P("Measured vs published"), published.display(rows)))
+    rep.tables += [(f"hardware: published vs this run ({model})", hw), (f"measured vs published: {model}", rows)]
+
+
+def to_markdown(rep: Report) -> str:
+    from harness.analysis.tables import markdown
+    out = []
+    for blk in rep.blocks:
+        if blk[0] == "h":
+            out.append("#" * blk[1] + " " + blk[2].md())
+        elif blk[0] == "p":
+            out.append(blk[1].md())
+        elif blk[0] == "table":
+            out.append(f"**{blk[1].md()}**\n\n" + markdown(blk[2]).rstrip())
+        else:
+            out.append(f"![{blk[2].md()}]({blk[1].name})")
+    return "\n\n".join(out) + "\n"
+
+
+CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px;color:#222}
+table{border-collapse:collapse;font-size:13px;margin:.5em 0 1.5em}th,td{border:1px solid #ccc;padding:3px 8px;
+text-align:right}th{background:#f2f2f2}.scroll{overflow-x:auto}figure{margin:1em 0}img{max-width:100%}
+figcaption{font-size:12px;color:#666}"""
+
+
+def to_html(rep: Report) -> str:
+    """One self-contained page: inline CSS, PNGs as data URIs, no scripts."""
+    import pandas as pd
+    out = []
+    for blk in rep.blocks:
+        if blk[0] == "h":
+            out.append(f"<h{blk[1]}>{blk[2].html()}</h{blk[1]}>")
+        elif blk[0] == "p":
+            out.append(f"<p>{blk[1].html()}</p>")
+        elif blk[0] == "table":
+            body = pd.DataFrame(blk[2]).to_html(index=False, escape=True, border=0, na_rep="") if blk[2] else "<p>none</p>"
+            out.append(f"<h4>{blk[1].html()}</h4><div class=\"scroll\">{body}</div>")
+        else:
+            data = base64.b64encode(blk[1].read_bytes()).decode()
+            out.append(f'<figure><img src="data:image/png;base64,{data}" alt="{blk[2].html()}">'
+                       f"<figcaption>{blk[2].html()}</figcaption></figure>")
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>moebench report</title>"
+            f"<style>{CSS}</style></head><body>\n" + "\n".join(out) + "\n</body></html>\n")

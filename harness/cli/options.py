@@ -1,0 +1,32 @@
+"""What every command shares: output options, list parsing, and one sentence for user errors."""
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from engines.errors import UserError
+
+FORMAT = click.option("--format", "fmt", type=click.Choice(["table", "md", "csv", "json"]), default="table",
+                      show_default=True, help="Output format (json = llama-bench field names for sweeps).")
+OUTPUT = click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the output to FILE.")
+RESULTS_DIR = click.option("--results-dir", type=click.Path(file_okay=False), default="results", show_default=True)
+
+
+def user_errors(f):
+    """Turn a UserError into one sentence on stderr and exit 2 (no traceback for user mistakes)."""
+    @functools.wraps(f)
+    def wrapper(*a, **kw):
+        try:
+            return f(*a, **kw)
+        except UserError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+    return wrapper
+
+
+def split_list(values: str | list[str] | tuple[str, ...]) -> list[str]:
+    """`a,b` or repeated flags -> [a, b] (llama-bench style lists)."""
+    items = [values] if isinstance(values, str) else list(values)
+    return [x.strip() for v in items for x in str(v).split(",") if x.strip()]

@@ -1,0 +1,102 @@
+"""`moebench sweep`: every engine x model x depth cell in its own process, then the summary table."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from harness.cli.options import FORMAT, OUTPUT, split_list, user_errors
+
+
+@click.command()
+@click.option("-m", "--model", "models", multiple=True, default=["preset:small"], show_default=True,
+              help="GGUF file(s) or preset:NAME[:DTYPE] (synthesized once into the cache); repeat or comma-separate.")
+@click.option("-e", "--engines", default="llama-cpp,reference", show_default=True, help="Engines, comma-separated.")
+@click.option("--n-cpu-moe", "depths", default="0", show_default=True,
+              help="Offload depths: layers whose routed experts stay in RAM; list of N and 'all'.")
+@click.option("--cpu-moe", is_flag=True, help="Offload the experts of all layers (same as --n-cpu-moe all).")
+@click.option("-w", "--workloads", default="pp4096,pp8192,tg128", show_default=True, help="ppN, tgN, ppN@dD, tgN@dD.")
+@click.option("-r", "--repetitions", default=5, show_default=True, type=int, help="Timed repetitions per workload.")
+@click.option("--threads", type=int, default=None, help="CPU threads (default: all cores).")
+@click.option("--n-ctx", type=int, default=None, help="Context size (default: what the largest workload needs).")
+@click.option("--n-batch", type=int, default=2048, show_default=True)
+@click.option("--n-ubatch", type=int, default=512, show_default=True)
+@click.option("--flash-attn", type=click.Choice(["on", "off", "auto"]), default="auto", show_default=True)
+@click.option("--timeout", type=float, default=3600, show_default=True, help="Seconds per cell.")
+@click.option("--sample-ms", type=float, default=50, show_default=True, help="Memory sampling period; 0 = off.")
+@click.option("--cpu-moe-threads", type=int, default=None, help="reference: threads for host expert matmuls.")
+@click.option("--moe-stream-min-batch", type=int, default=None,
+              help="reference: batches at least this large stream offloaded experts to the accelerator (default 128).")
+@click.option("--llama-bench", "llama_bench", type=click.Path(dir_okay=False), default=None,
+              help="llama-bench: the binary to run (default: $MOEBENCH_LLAMA_BENCH, `moebench tools build-llama-bench`, PATH).")
+@click.option("--tensorsharp", type=click.Path(dir_okay=False), default=None,
+              help="tensorsharp: the TensorSharp.Cli binary (default: $MOEBENCH_TENSORSHARP, PATH).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Token ids and synthesized weights.")
+@click.option("--results-dir", type=click.Path(file_okay=False), default="results", show_default=True)
+@click.option("--resume", type=click.Path(file_okay=False), default=None, help="Continue results/<run_id>.")
+@click.option("--strict", is_flag=True, help="Exit 1 if any cell failed.")
+@click.option("--interleave", is_flag=True,
+              help="A/B: exactly two engine specs (NAME[@KEY=VALUE]...), measured turn by turn (see README).")
+@click.option("--rounds", type=int, default=None,
+              help="Run each cell in this many fresh processes, the repetitions split between them, so one "
+                   "process's speed does not decide a cell (default 1; with --interleave min(5, repetitions)).")
+@click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
+              help="Run the cells on a Ray cluster: auto (RAY_ADDRESS or the local cluster) or ray://HOST:PORT.")
+@click.option("--per-node", is_flag=True, help="With --ray: every node runs every cell (compare hardware).")
+@FORMAT
+@OUTPUT
+@user_errors
+def sweep(models, engines, depths, cpu_moe, workloads, repetitions, threads, n_ctx, n_batch, n_ubatch, flash_attn,
+          timeout, sample_ms, cpu_moe_threads, moe_stream_min_batch, llama_bench, tensorsharp, seed, results_dir,
+          resume, strict, interleave, rounds, ray_address, per_node, fmt, output):
+    """Run every engine x model x depth cell, each in its own process, and write tidy results."""
+    from harness.run.progress import sweep_with_progress
+    from harness.run.spec import SweepSpec
+
+    extra = {k: v for k, v in {"cpu_moe_threads": cpu_moe_threads, "moe_stream_min_batch": moe_stream_min_batch}.items()
+             if v is not None}
+    for key, path in (("llama_bench", llama_bench), ("tensorsharp", tensorsharp)):
+        if path:   # kept in the spec; exported so the engines' availability check sees it too
+            extra[key] = os.environ[f"MOEBENCH_{key.upper()}"] = str(Path(path).expanduser().absolute())
+    spec = SweepSpec(models=split_list(models), engines=split_list(engines),
+                     depths=["all"] if cpu_moe else split_list(depths), workloads=split_list(workloads),
+                     repetitions=repetitions, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, flash_attn=flash_attn,
+                     timeout_s=timeout, sample_ms=sample_ms, seed=seed, extra=extra, ray=ray_address,
+                     per_node=per_node, rounds=rounds, **({"threads": threads} if threads else {}))
+    if interleave:
+        from harness.run.interleave import run_interleaved
+        run_dir, failed = run_interleaved(spec, Path(results_dir), Path(resume) if resume else None)
+    else:
+        run_dir, failed = sweep_with_progress(spec, Path(results_dir), Path(resume) if resume else None)
+    show_run(run_dir, fmt, output)
+    click.echo(f"results: {run_dir}", err=True)
+    if strict and failed:
+        sys.exit(1)
+
+
+def show_run(run_dir: Path, fmt: str = "table", output: str | None = None) -> None:
+    from harness.analysis.tables import render
+    from harness.stats import CV_WARN
+    from harness.planning.roofline import annotate
+    from harness.store import results
+
+    run, cells, meas, _ = results.load_frames(run_dir)
+    summary = results.summarize(cells, meas)
+    summary = annotate(cells, summary, run.get("hardware_profile"))    # bound_tps, fraction (NaN without a profile)
+    many_models = summary["model_name"].nunique() > 1
+    rows = []
+    for _, r in summary.iterrows():
+        rows.append({"engine": r["engine"], **({"model": r["model_name"]} if many_models else {}),
+                     "n_cpu_moe": r["n_cpu_moe"], "workload": r["workload"], "status": r["status"],
+                     "tok/s median": r["tps_median"], "± std": r["tps_std"], "cv %": 100 * r["tps_cv"],
+                     "n": r["tps_n"], "bound tok/s": r["bound_tps"], "% of bound": 100 * r["fraction"],
+                     "peak RAM MiB": r["peak_rss_mib"], "peak VRAM MiB": r["peak_vram_mib"]})
+        if r["tps_cv"] > CV_WARN:
+            click.echo(f"warning: {r['engine']} n_cpu_moe={r['n_cpu_moe']} {r['workload']} is unstable "
+                       f"(CV {100 * r['tps_cv']:.1f}% > 5%); use more repetitions or a quieter machine.", err=True)
+        if r["status"] != "ok":
+            click.echo(f"warning: {r['engine']} n_cpu_moe={r['n_cpu_moe']} {r['status']}: {r['error']}", err=True)
+    render(rows, fmt, title=f"moebench {run['run_id']}", out=output,
+           json_payload=results.llama_bench_records(run, cells, meas))

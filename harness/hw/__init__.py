@@ -1,0 +1,1 @@
+"""This host: its fingerprint (CPU, RAM, GPUs, versions) and the measured hardware profile (probe)."""

@@ -1,0 +1,274 @@
+"""Memory plan per offload depth, from the GGUF tensor table alone (no weights are loaded).
+
+For every depth N in 0..n_layers (the `--n-cpu-moe N` rule of engines.base):
+  accelerator = non-expert weights + routed experts of layers >= N + KV cache + compute buffers
+                (+ the reference engine's expert staging buffer, + a calibrated runtime overhead)
+  host        = routed experts of layers < N
+Bytes are what the engine holds: llama.cpp keeps the file's bytes (quantized stays quantized); the
+reference engine converts matrices to its compute dtype and norms/routers to f32
+(engines/reference/engine.py load()). When measured cells of the same model exist (cells.csv, same
+model_fingerprint and engine), the estimate is calibrated from them and the plan says so.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from engines.errors import UserError
+from engines.gguf_meta import ModelMeta, TensorEntry
+from harness.units import MiB as MIB
+
+ENGINES = ("llama-cpp", "reference")
+DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+LLAMA_CTX_PAD = 256        # llama.cpp 0.3.36 rounds the KV cache up to 256 cells (asked 100 -> 256 cells)
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    engine: str = "llama-cpp"
+    n_ctx: int = 8192
+    n_ubatch: int = 512
+    n_batch: int = 2048
+    flash_attn: str = "auto"     # on | off | auto (auto: llama.cpp enables it on CPU and CUDA)
+    device: str = "cuda"         # the accelerator planned for; the reference engine picks its dtype from it
+    dtype: str = "auto"          # reference engine compute dtype; auto = the engine's own rule
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    """Bytes the engine holds per part of the model."""
+    non_expert: int
+    expert_by_layer: tuple[int, ...]       # routed-expert bytes of layer i (0 for dense layers)
+    kv_per_cell: int                       # K + V bytes of one context cell over all layers
+    weight_dtype: str                      # "file" (as stored) or the reference compute dtype
+    kv_dtype: str
+
+    def experts(self, lo: int = 0, hi: int | None = None) -> int:
+        return sum(self.expert_by_layer[lo:hi])
+
+
+def _is_f32_in_reference(name: str) -> bool:
+    # the reference engine keeps norms and routers in f32 and everything else in its compute dtype
+    return name.endswith("norm.weight") or ".ffn_gate_inp" in name
+
+
+def held_bytes(t: TensorEntry, weight_dtype: str) -> int:
+    """Bytes an engine holds for tensor t: the file's bytes ("file"), or converted to weight_dtype."""
+    if weight_dtype == "file":
+        return t.n_bytes
+    return math.prod(t.ne) * (4 if _is_f32_in_reference(t.name) else DTYPE_BYTES[weight_dtype])
+
+
+def reference_dtype(meta: ModelMeta, s: PlanSettings) -> str:
+    """The reference engine's compute dtype for this file and device (its own rule, pick_dtype)."""
+    if s.dtype in DTYPE_BYTES:      # explicit (e.g. a cell's effective dtype): no torch import needed
+        return s.dtype
+    import torch
+
+    from engines.reference.engine import pick_dtype
+    from engines.reference.gguf_io import dtype_name, file_dtype
+    return dtype_name(pick_dtype(s.dtype, torch.device(s.device), file_dtype(meta)))
+
+
+def model_bytes(meta: ModelMeta, s: PlanSettings) -> ModelBytes:
+    if s.engine not in ENGINES:
+        raise UserError(f"--engine {s.engine!r} has no memory model; use one of {', '.join(ENGINES)}.")
+    head_kv = int(meta.get("attention.head_count_kv") or meta.get("attention.head_count") or 0)
+    k_len = int(meta.get("attention.key_length") or 0)
+    v_len = int(meta.get("attention.value_length") or 0)
+    if not (head_kv and k_len and v_len):
+        n_embd, n_head = int(meta.get("embedding_length") or 0), int(meta.get("attention.head_count") or 1)
+        k_len = v_len = k_len or n_embd // n_head
+    if s.engine == "llama-cpp":
+        wdt, kvdt = "file", "f16"                # llama.cpp's default cache type is f16 for K and V
+    else:
+        wdt = kvdt = reference_dtype(meta, s)    # its KV cache has the compute dtype
+    experts = [0] * meta.n_layers
+    non_expert = 0
+    for t in meta.tensors:
+        if t.layer is not None:
+            experts[t.layer] += held_bytes(t, wdt)
+        else:
+            non_expert += held_bytes(t, wdt)
+    kv_per_cell = meta.n_layers * head_kv * (k_len + v_len) * DTYPE_BYTES[kvdt]
+    return ModelBytes(non_expert, tuple(experts), kv_per_cell, wdt, kvdt)
+
+
+def kv_cells(s: PlanSettings) -> int:
+    if s.engine == "llama-cpp":
+        return -(-s.n_ctx // LLAMA_CTX_PAD) * LLAMA_CTX_PAD
+    return s.n_ctx
+
+
+def compute_estimate(meta: ModelMeta, s: PlanSettings) -> int:
+    """Scratch bytes of one ubatch: the peak of three phases (ggml's graph allocator reuses memory
+    between them), per token of the ubatch n_ub = min(n_ubatch, n_batch, n_ctx):
+      attention: mask (f16 with flash attention, f32 without) over n_kv cells, without flash
+                 attention also f32 scores n_kv x n_head, plus ~6 x n_embd f32 activations
+      ffn:       (4 n_embd + 3.5 k n_ff_exp) f32 (routed expert intermediates and, for f16/quantized
+                 weights, activation copies in the weight type; coefficients fitted, ~+6% on an f16 model)
+      output:    (n_vocab + 2 n_embd) f32 logits (reserved for every token of the ubatch)
+    Matches llama.cpp 0.3.36's CPU "compute buffer size" within ~1% on the tiny preset (f32) for
+    n_ctx 256..8192, n_ubatch 64/512, flash attention on and off. The reference engine does not
+    report its scratch; it is estimated like flash attention off (SDPA may materialize scores)."""
+    n_embd = int(meta.get("embedding_length") or 0)
+    n_head = int(meta.get("attention.head_count") or 1)
+    n_ff = int(meta.get("expert_feed_forward_length") or meta.get("feed_forward_length") or 0)
+    n_ub, n_kv = min(s.n_ubatch, s.n_batch, s.n_ctx), kv_cells(s)
+    flash = s.flash_attn in ("on", "auto") and s.engine == "llama-cpp"
+    attn = n_kv * (2 if flash else 4 + 4 * n_head) + 4 * 6 * n_embd
+    ffn = int(4 * (4 * n_embd + 3.5 * meta.n_expert_used * n_ff))
+    out = 4 * (meta.n_vocab + 2 * n_embd)
+    return n_ub * max(attn, ffn, out)
+
+
+def staging_bytes(mb: ModelBytes, s: PlanSettings, depth: int) -> int:
+    """Reference engine: offloaded layers stream through one whole-layer staging buffer (two on CUDA)."""
+    if s.engine != "reference" or depth == 0:
+        return 0
+    return (2 if s.device.startswith("cuda") else 1) * max(mb.expert_by_layer)
+
+
+@dataclass
+class DepthPlan:
+    n_cpu_moe: int
+    non_expert_bytes: int
+    expert_accel_bytes: int
+    expert_host_bytes: int
+    kv_bytes: int
+    compute_bytes: int          # compute buffers (estimate x calibration scale)
+    staging_bytes: int = 0
+    overhead_bytes: int = 0     # calibrated: measured peak minus everything above
+
+    @property
+    def accel_bytes(self) -> int:
+        return (self.non_expert_bytes + self.expert_accel_bytes + self.kv_bytes + self.compute_bytes
+                + self.staging_bytes + self.overhead_bytes)
+
+    @property
+    def host_bytes(self) -> int:
+        return self.expert_host_bytes
+
+    @property
+    def expert_host_fraction(self) -> float:
+        total = self.expert_host_bytes + self.expert_accel_bytes
+        return self.expert_host_bytes / total if total else float("nan")
+
+
+@dataclass
+class Calibration:
+    n_cells: int
+    runs: list[str]
+    peak: str                          # peak_vram_mib (GPU runs) or peak_rss_mib (CPU-only runs)
+    compute_scale: float | None        # measured / estimated compute buffer (llama.cpp reports it)
+    overhead_bytes: int                # max over cells of measured peak - predicted total
+
+    def describe(self) -> str:
+        scale = f"compute buffer x{self.compute_scale:.2f}, " if self.compute_scale else ""
+        return (f"calibrated from {self.n_cells} measured cell(s) in {', '.join(self.runs)}: {scale}"
+                f"runtime overhead {self.overhead_bytes / MIB:+,.0f} MiB ({self.peak} minus predicted bytes)")
+
+
+@dataclass
+class Plan:
+    meta: ModelMeta
+    settings: PlanSettings
+    bytes: ModelBytes
+    n_kv_cells: int
+    compute_estimate: int
+    depths: list[DepthPlan] = field(default_factory=list)
+    calibration: Calibration | None = None
+
+    def at(self, n_cpu_moe: int) -> DepthPlan:
+        return self.depths[n_cpu_moe]
+
+    def rows(self) -> list[dict]:
+        return [{"n_cpu_moe": d.n_cpu_moe, "accel MiB": d.accel_bytes / MIB, "non-expert MiB": d.non_expert_bytes / MIB,
+                 "experts accel MiB": d.expert_accel_bytes / MIB, "KV MiB": d.kv_bytes / MIB,
+                 "compute MiB": (d.compute_bytes + d.staging_bytes + d.overhead_bytes) / MIB,
+                 "host MiB": d.host_bytes / MIB, "expert host %": 100 * d.expert_host_fraction}
+                for d in self.depths]
+
+    def to_dict(self) -> dict:
+        return {"model": str(self.meta.path), "model_fingerprint": self.meta.fingerprint,
+                "settings": self.settings.__dict__, "weight_dtype": self.bytes.weight_dtype,
+                "kv_dtype": self.bytes.kv_dtype, "n_kv_cells": self.n_kv_cells,
+                "calibration": self.calibration.describe() if self.calibration else None,
+                "depths": [d.__dict__ | {"accel_bytes": d.accel_bytes, "host_bytes": d.host_bytes} for d in self.depths]}
+
+
+def _depth(mb: ModelBytes, s: PlanSettings, n: int, compute: int, overhead: int = 0) -> DepthPlan:
+    return DepthPlan(n, mb.non_expert, mb.experts(n), mb.experts(0, n), kv_cells(s) * mb.kv_per_cell, compute,
+                     staging_bytes(mb, s, n), overhead)
+
+
+def _cell_settings(s: PlanSettings, c: dict) -> PlanSettings:
+    eff = json.loads(c.get("effective_settings") or "{}")
+    out = replace(s, n_ctx=int(c["n_ctx"]), n_ubatch=int(c["n_ubatch"]), n_batch=int(c["n_batch"]),
+                  flash_attn=c.get("flash_attn") or s.flash_attn)
+    if s.engine == "reference":   # the dtype/device the engine really used
+        out = replace(out, device=str(eff.get("device", s.device)), dtype=str(eff.get("dtype", s.dtype)))
+    return out
+
+
+def _num(v) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def calibrate(meta: ModelMeta, s: PlanSettings, runs: list[Path]) -> Calibration | None:
+    """From ok cells of the same model and engine: the ratio of llama.cpp's reported compute buffer to
+    the estimate, and the residual (measured peak - predicted weights, KV, compute) as runtime overhead.
+    The peak is VRAM when the run had a GPU, else RSS (then the "accelerator" is the CPU: all bytes count)."""
+    from harness.store import results
+
+    scales, residuals, used, peak_name = [], [], set(), "peak_rss_mib"
+    for run in runs:
+        for c in results.read_csv(run, "cells.csv"):
+            if c["model_fingerprint"] != meta.fingerprint or c["engine"] != s.engine or c["status"] != "ok":
+                continue
+            cs = _cell_settings(s, c)
+            mb = model_bytes(meta, cs)
+            est = compute_estimate(meta, cs)
+            d = _depth(mb, cs, int(c["n_cpu_moe"]), est)
+            vram, rss = _num(c.get("peak_vram_mib")), _num(c.get("peak_rss_mib"))
+            gpu = not math.isnan(vram)
+            by_dev = json.loads(c.get("bytes_by_device") or "{}")
+            measured = sum(v for k, v in by_dev.items() if k.startswith("compute:")
+                           and not (gpu and ("CPU" in k or "Host" in k)))
+            if measured > 0:
+                scales.append(measured / est)
+            peak = vram if gpu else rss
+            if math.isnan(peak):
+                continue
+            predicted = d.non_expert_bytes + d.expert_accel_bytes + d.kv_bytes + d.staging_bytes
+            predicted += 0 if gpu else d.expert_host_bytes
+            peak_name = "peak_vram_mib" if gpu else "peak_rss_mib"
+            residuals.append((peak * MIB - predicted, est))
+            used.add(Path(run).name)
+    if not residuals:
+        return None
+    scale = sorted(scales)[len(scales) // 2] if scales else None
+    overhead = max(r - est * (scale or 1.0) for r, est in residuals)
+    return Calibration(len(residuals), sorted(used), peak_name, scale, int(overhead))
+
+
+def find_runs(results_dir: Path) -> list[Path]:
+    return sorted(p.parent for p in Path(results_dir).glob("*/cells.csv")) if Path(results_dir).is_dir() else []
+
+
+def make_plan(meta: ModelMeta, s: PlanSettings, runs: list[Path] | None = None) -> Plan:
+    """The plan for every depth 0..n_layers; calibrated when `runs` hold ok cells of this model and engine."""
+    if s.n_ctx < 1 or s.n_ubatch < 1 or s.n_batch < 1:
+        raise UserError("--ctx, --n-ubatch and --n-batch must be positive whole numbers.")
+    mb = model_bytes(meta, s)
+    est = compute_estimate(meta, s)
+    cal = calibrate(meta, s, runs or [])
+    compute = int(est * (cal.compute_scale or 1.0)) if cal else est
+    overhead = cal.overhead_bytes if cal else 0
+    depths = [_depth(mb, s, n, compute, overhead) for n in range(meta.n_layers + 1)]
+    return Plan(meta, s, mb, kv_cells(s), est, depths, cal)

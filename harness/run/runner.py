@@ -1,0 +1,248 @@
+"""The parent side of a sweep: one child process per cell, memory sampling, incremental results.
+
+A crash, timeout or out-of-memory of a cell becomes a row with its status and the sweep goes on.
+Rows are appended as each cell finishes; --resume skips cells whose status is ok and runs the rest
+again. Ctrl-C stops the running cell and keeps everything finished so far.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from engines.errors import UserError
+from engines.registry import engine_class
+from harness.hw import host
+from harness.store import results
+from engines.devices import Nvml
+from harness.run.sampler import NAN, Sampler, peaks
+from harness.run.spec import Cell, SweepSpec, expand
+from workloads.grammar import parse_workloads
+
+ROOT = Path(__file__).resolve().parent.parent
+LOG_TAIL = 2000
+
+
+def new_run_dir(results_dir: Path, spec: SweepSpec) -> Path:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    digest = hashlib.sha1(json.dumps(spec.to_dict(), sort_keys=True).encode() + os.urandom(4)).hexdigest()[:6]
+    return results_dir / f"{stamp}-{digest}"
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "logs").mkdir(exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"Cannot write results to {str(run_dir)!r} ({e.strerror}); pass a writable --results-dir.") from None
+
+
+def log_path(run_dir: Path, cell_id: str) -> Path:
+    return run_dir / "logs" / (cell_id.replace("/", "_") + ".log")
+
+
+def _job(cell: Cell, spec: SweepSpec, gate: dict | None) -> dict:
+    return {"gate": gate, "engine": cell.engine, "model": str(cell.model), "settings": cell.settings.to_dict(),
+            "workloads": spec.workloads, "repetitions": spec.repetitions, "warmup": spec.warmup,
+            "seed": spec.seed, "n_vocab": cell.meta.n_vocab}
+
+
+def _tail(path: Path) -> str:
+    try:
+        return path.read_bytes()[-LOG_TAIL:].decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def cell_row(cell: Cell, run_id: str, status: str, error: str, loaded: dict | None = None, wall_s: float = NAN,
+             peak: tuple[float, float] = (NAN, NAN)) -> dict:
+    """The cells.csv row of a cell; `loaded` is the worker's "loaded" record (empty when it never loaded)."""
+    loaded = loaded or {}
+    info = loaded.get("info", {})
+    s, meta = cell.settings, cell.meta
+    rss, vram = peak
+    return {
+        "run_id": run_id, "cell_id": cell.cell_id, "engine": cell.engine, "engine_version": loaded.get("version", ""),
+        "model": str(cell.model), "model_name": meta.name, "model_fingerprint": meta.fingerprint, "arch": meta.arch,
+        "n_layers": meta.n_layers, "n_moe_layers": len(meta.moe_layers), "depth": cell.depth, "n_cpu_moe": s.n_cpu_moe,
+        "expert_host_fraction": info.get("expert_host_fraction", meta.expert_bytes(s.n_cpu_moe) / meta.expert_bytes()),
+        "expert_bytes_host": info.get("expert_bytes_host", meta.expert_bytes(s.n_cpu_moe)),
+        "expert_bytes_total": info.get("expert_bytes_total", meta.expert_bytes()),
+        "n_overridden_tensors": info.get("n_overridden_tensors"), "n_ctx": s.n_ctx, "n_batch": s.n_batch,
+        "n_ubatch": s.n_ubatch, "threads": s.threads, "flash_attn": s.flash_attn, "device": s.device,
+        "dtype": s.dtype, "mmap": s.mmap, "extra": s.extra, "effective_settings": info.get("settings", {}),
+        "bytes_by_device": info.get("bytes_by_device", {}), "status": status, "error": error,
+        "load_s": loaded.get("load_s", NAN), "wall_s": wall_s, "peak_rss_mib": rss, "peak_vram_mib": vram,
+        "host": os.uname().nodename,
+    }
+
+
+def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str,
+             gate: dict | None = None) -> tuple[dict, list[dict], list[dict]]:
+    """Run one cell in its own process; returns (cell row, measurement rows, sample rows). `gate`:
+    --interleave's turn-taking pipes (harness.run.worker.Turns)."""
+    engine_class(cell.engine).prepare()
+    log = log_path(run_dir, cell.cell_id)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TS_")}   # no inherited TS_* settings
+    env |= {"TS_N_CPU_MOE": str(cell.settings.n_cpu_moe),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    nvml = Nvml() if spec.sample_ms > 0 else None          # device baseline before the child exists
+    r, w = os.pipe()
+    env["MOEBENCH_FD"] = str(w)
+    started = time.perf_counter()
+    with open(log, "ab") as logf:          # a cell run again (--resume, interleave rounds) keeps the earlier log
+        proc = subprocess.Popen([sys.executable, "-m", "harness.run.worker"], stdin=subprocess.PIPE, stdout=logf,
+                                stderr=subprocess.STDOUT, pass_fds=(w,), env=env, cwd=ROOT, start_new_session=True)
+    os.close(w)
+    sampler = Sampler(proc.pid, spec.sample_ms, nvml=nvml) if nvml else None
+    if sampler:
+        sampler.start()
+    msgs: list[dict] = []
+
+    def read() -> None:   # blocks on the pipe; EOF when the child exits or dies
+        with os.fdopen(r) as f:
+            for line in f:
+                msg = json.loads(line)
+                if msg["type"] == "phase" and sampler:
+                    sampler.phase = msg["phase"]
+                msgs.append(msg)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        proc.stdin.write(json.dumps(_job(cell, spec, gate)).encode())
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass
+    try:
+        reader.join(spec.timeout_s)          # a lock wait, not a spin
+        if reader.is_alive():
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            reader.join()
+        proc.wait()
+    except BaseException:                    # Ctrl-C: stop the child, keep what is written
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        if sampler:
+            sampler.stop()
+        raise
+    samples = sampler.stop() if sampler else []
+    wall_s = time.perf_counter() - started
+
+    kinds = {m["type"]: m for m in msgs}
+    loaded = kinds.get("loaded", {})
+    if "done" in kinds:
+        status, error = "ok", ""
+    elif timed_out:
+        status, error = "timeout", f"no result within --timeout {spec.timeout_s:g} s"
+    elif "error" in kinds:
+        status, error = kinds["error"]["status"], kinds["error"]["error"]
+    elif proc.returncode == -signal.SIGKILL:
+        status, error = "oom", "killed by SIGKILL (most likely the kernel's out-of-memory killer)"
+    elif proc.returncode < 0:
+        status, error = "failed", f"crashed with {signal.Signals(-proc.returncode).name}"
+    else:
+        status, error = "failed", f"worker exited with code {proc.returncode} without a result"
+    if status != "ok":
+        error = f"{error} | log tail: {_tail(log)[-600:]}" if _tail(log) else error
+
+    row = cell_row(cell, run_id, status, error, loaded, wall_s, peaks(samples))
+    s, meta = cell.settings, cell.meta
+    workloads = {w.name: w for w in parse_workloads(",".join(spec.workloads))}
+    phase_peaks = {name: peaks(samples, name) for name in workloads}    # per workload's timed phase
+    rows = []
+    for m in (m for m in msgs if m["type"] == "rep"):
+        wl = m["workload"]
+        w = workloads[wl]
+        rows.append({"run_id": run_id, "cell_id": cell.cell_id, "engine": cell.engine, "model_name": meta.name,
+                     "model_fingerprint": meta.fingerprint, "n_cpu_moe": s.n_cpu_moe, "workload": wl,
+                     "n_prompt": w.n_prompt, "n_gen": w.n_gen, "n_depth": w.n_depth, "rep": m["rep"], "ns": m["ns"],
+                     "tokens_per_s": w.n_tokens / (m["ns"] / 1e9), "engine_ms": m.get("engine_ms"),
+                     "n_ctx": s.n_ctx, "n_batch": s.n_batch, "n_ubatch": s.n_ubatch, "threads": s.threads,
+                     "flash_attn": s.flash_attn, "peak_rss_mib": phase_peaks[wl][0], "peak_vram_mib": phase_peaks[wl][1]})
+    sample_rows = [{"run_id": run_id, "cell_id": cell.cell_id, **x} for x in samples]
+    return row, rows, sample_rows
+
+
+def round_sizes(repetitions: int, rounds: int) -> list[int]:
+    """Repetitions per round: min(rounds, repetitions) nearly equal parts, larger first."""
+    k = min(repetitions, rounds)
+    return [repetitions // k + (i < repetitions % k) for i in range(k)]
+
+
+def join_rounds(parts: list[tuple]) -> tuple[dict, list[dict], list[dict]]:
+    """A cell's rounds (run_cell results, one fresh process each) -> one cell: reps numbered on across
+    rounds, samples shifted onto one time axis, the first failure's status, the largest peaks."""
+    rows, meas, samples = [p[0] for p in parts], [], []
+    done, t0 = {}, 0.0
+    for _, ms, ss in parts:
+        before = dict(done)                   # repetitions per workload in the earlier rounds
+        for m in ms:
+            meas.append(m | {"rep": before.get(m["workload"], 0) + m["rep"]})
+            done[m["workload"]] = done.get(m["workload"], 0) + 1
+        samples += [x | {"t_ms": x["t_ms"] + t0} for x in ss]
+        t0 = samples[-1]["t_ms"] if samples else t0
+    row = dict(rows[-1])
+    bad = next((r for r in rows if r["status"] != "ok"), None)
+    if bad:
+        row["status"], row["error"] = bad["status"], bad["error"]
+    row["wall_s"] = sum(r["wall_s"] for r in rows)
+    for col in ("peak_rss_mib", "peak_vram_mib"):
+        row[col] = max((r[col] for r in rows if r[col] == r[col]), default=NAN)
+    return row, meas, samples
+
+
+def run_rounds(cell: Cell, spec: SweepSpec, run_dir: Path) -> tuple[dict, list[dict], list[dict]]:
+    """--rounds: run_cell once per round, each in a fresh process with its share of the repetitions
+    (one process's speed is one sample: on a shared VM two processes of the same build differed by up
+    to ~25 %); a failed round ends the cell."""
+    parts = []
+    for reps in round_sizes(spec.repetitions, spec.rounds or 1):
+        parts.append(run_cell(cell, dataclasses.replace(spec, repetitions=reps), run_dir, run_dir.name))
+        if parts[-1][0]["status"] != "ok":
+            break
+    return join_rounds(parts)
+
+
+def _hardware_profile() -> dict | None:
+    """The stored `moebench probe` profile (a ~1 s quick one is measured and stored if none exists)."""
+    from harness.hw.probe import stored_or_quick
+    try:
+        return stored_or_quick()
+    except Exception as e:          # the roofline is optional; a sweep never fails for it
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def write_run_json(run_dir: Path, spec: SweepSpec, **more) -> None:
+    """run.json: the spec, host fingerprint, argv and hardware profile (plus `more`), before any cell runs."""
+    run = {"schema_version": results.SCHEMA_VERSION, "run_id": run_dir.name, "spec": spec.to_dict(),
+           "started": datetime.now(timezone.utc).isoformat(), "host": host.fingerprint(),
+           "argv": sys.argv, "hardware_profile": _hardware_profile()} | more
+    (run_dir / "run.json").write_text(json.dumps(run, indent=2, default=str))
+
+
+def drop_unfinished(run_dir: Path) -> set[str]:
+    """For --resume: keep rows of ok cells only; return their cell ids (those are skipped)."""
+    cells = results.read_csv(run_dir, "cells.csv")
+    done = {c["cell_id"] for c in cells if c["status"] == "ok"}
+    results.write_cells(run_dir, [c for c in cells if c["cell_id"] in done])
+    for file in ("measurements.csv", "samples.csv"):
+        rows = [r for r in results.read_csv(run_dir, file) if r["cell_id"] in done]
+        (run_dir / file).unlink(missing_ok=True)
+        if rows:
+            results.append_rows(run_dir, file, rows)
+    return done

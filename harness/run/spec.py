@@ -1,0 +1,91 @@
+"""A sweep spec and its expansion into cells (engine x model x depth), validated before anything runs."""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from engines.base import EngineSettings, parse_depth
+from engines.errors import UserError
+from engines.gguf_meta import ModelMeta, read_meta
+from engines.registry import check_available
+from workloads.grammar import DEFAULT_WORKLOADS, parse_workloads
+from workloads.synth import resolve_model
+
+
+@dataclass
+class SweepSpec:
+    models: list[str]                       # paths, or preset:NAME[:DTYPE] (synthesized into the cache)
+    engines: list[str]
+    depths: list[str] = field(default_factory=lambda: ["0"])     # N or "all"
+    workloads: list[str] = field(default_factory=lambda: DEFAULT_WORKLOADS.split(","))
+    repetitions: int = 5
+    warmup: int = 1
+    threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+    n_ctx: int | None = None                # None: the largest workload's need (same for every engine)
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    flash_attn: str = "auto"
+    timeout_s: float = 3600
+    sample_ms: float = 50                   # 0 turns the memory sampler off
+    seed: int = 0
+    extra: dict = field(default_factory=dict)   # engine-specific knobs, e.g. cpu_moe_threads
+    ray: str | None = None                  # Ray address (auto | ray://host:port): cells run on the cluster
+    per_node: bool = False                  # with ray: every node runs every cell
+    rounds: int | None = None               # fresh processes per cell (None: 1; with --interleave min(5, reps))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SweepSpec":
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass
+class Cell:
+    engine: str
+    model: Path
+    meta: ModelMeta
+    depth: str          # as asked ("all", "4")
+    settings: EngineSettings
+
+    @property
+    def cell_id(self) -> str:
+        return f"{self.engine}/{self.meta.fingerprint}/ncmoe{self.settings.n_cpu_moe}"
+
+
+def expand(spec: SweepSpec) -> list[Cell]:
+    """Every cell of the sweep, after checking every input; raises UserError on the first bad one."""
+    if spec.repetitions < 1:
+        raise UserError(f"--repetitions {spec.repetitions} must be at least 1.")
+    if spec.rounds is not None and spec.rounds < 1:
+        raise UserError(f"--rounds {spec.rounds} must be at least 1.")
+    if spec.threads < 1:
+        raise UserError(f"--threads {spec.threads} must be at least 1.")
+    if spec.flash_attn not in ("on", "off", "auto"):
+        raise UserError(f"--flash-attn {spec.flash_attn!r} is not valid; use on, off or auto.")
+    if not spec.engines:
+        raise UserError("No engines given; pass e.g. -e llama-cpp,reference.")
+    if not spec.models:
+        raise UserError("No model given; pass -m FILE.gguf or -m preset:tiny.")
+    workloads = parse_workloads(",".join(spec.workloads))
+    for e in spec.engines:
+        check_available(e)
+    n_ctx = spec.n_ctx or max(w.n_ctx_needed for w in workloads)
+    if n_ctx < max(w.n_ctx_needed for w in workloads):
+        raise UserError(f"--n-ctx {n_ctx} is smaller than the largest workload needs "
+                        f"({max(w.n_ctx_needed for w in workloads)}); raise it or leave it unset.")
+    cells = []
+    for m in spec.models:
+        meta = read_meta(resolve_model(m, spec.seed))
+        depths: dict[int, str] = {}
+        for d in spec.depths:
+            depths.setdefault(parse_depth(d, meta.n_layers), d)
+        for engine in spec.engines:
+            for n, label in depths.items():
+                s = EngineSettings(n_cpu_moe=n, n_ctx=n_ctx, n_batch=spec.n_batch, n_ubatch=spec.n_ubatch,
+                                   threads=spec.threads, flash_attn=spec.flash_attn, seed=spec.seed,
+                                   extra=dict(spec.extra))
+                cells.append(Cell(engine, meta.path, meta, label, s))
+    return cells

@@ -1,0 +1,140 @@
+"""Result files of a run: schema, incremental writing, reading, summaries.
+
+results/<run_id>/run.json, cells.csv, measurements.csv, samples.csv (DESIGN.md, "Results").
+Rows are appended as each cell finishes, so an interrupted sweep keeps every finished cell.
+Readers select columns by name, never by position.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+from harness.stats import stats
+
+SCHEMA_VERSION = 1
+
+CELL_COLUMNS = [
+    "run_id", "cell_id", "engine", "engine_version", "model", "model_name", "model_fingerprint", "arch",
+    "n_layers", "n_moe_layers", "depth", "n_cpu_moe", "expert_host_fraction", "expert_bytes_host",
+    "expert_bytes_total", "n_overridden_tensors", "n_ctx", "n_batch", "n_ubatch", "threads", "flash_attn",
+    "device", "dtype", "mmap", "extra", "effective_settings", "bytes_by_device", "status", "error",
+    "load_s", "wall_s", "peak_rss_mib", "peak_vram_mib", "host", "node",
+]
+MEASUREMENT_COLUMNS = [
+    "run_id", "cell_id", "engine", "model_name", "model_fingerprint", "n_cpu_moe", "workload", "n_prompt",
+    "n_gen", "n_depth", "rep", "ns", "tokens_per_s", "engine_ms", "n_ctx", "n_batch", "n_ubatch", "threads",
+    "flash_attn", "peak_rss_mib", "peak_vram_mib",
+]
+SAMPLE_COLUMNS = [
+    "run_id", "cell_id", "t_ms", "phase", "rss_mib", "rss_anon_mib", "rss_file_mib", "pss_mib",
+    "vram_proc_mib", "vram_device_mib",
+]
+FILES = {"cells.csv": CELL_COLUMNS, "measurements.csv": MEASUREMENT_COLUMNS, "samples.csv": SAMPLE_COLUMNS}
+CELL_KEY = ("engine", "model_fingerprint", "n_cpu_moe")
+
+
+def _fmt(v) -> object:
+    if isinstance(v, float):
+        return "" if math.isnan(v) else repr(round(v, 6))
+    if isinstance(v, (dict, list)):
+        return json.dumps(v, sort_keys=True)
+    return "" if v is None else v
+
+
+def append_rows(run_dir: Path, file: str, rows: list[dict]) -> None:
+    """Append rows (dicts keyed by column name) to one of the run's CSV files, header on first write."""
+    path = run_dir / file
+    new = not path.exists() or path.stat().st_size == 0
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FILES[file], extrasaction="ignore")
+        if new:
+            w.writeheader()
+        w.writerows({k: _fmt(r.get(k)) for k in FILES[file]} for r in rows)
+
+
+def append_cell(run_dir: Path, row: dict, measurements: list[dict], samples: list[dict]) -> None:
+    """One finished cell's rows; cells.csv last: a cell row means the cell is complete."""
+    append_rows(run_dir, "measurements.csv", measurements)
+    append_rows(run_dir, "samples.csv", samples)
+    append_rows(run_dir, "cells.csv", [row])
+
+
+def write_cells(run_dir: Path, rows: list[dict]) -> None:
+    """Rewrite cells.csv whole (used by --resume to drop the rows of cells it runs again)."""
+    (run_dir / "cells.csv").unlink(missing_ok=True)
+    append_rows(run_dir, "cells.csv", rows)
+
+
+def read_csv(run_dir: Path, file: str) -> list[dict]:
+    path = Path(run_dir) / file
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def require_run(run_dir: str | Path) -> Path:
+    """The run directory, or one sentence saying it is not one."""
+    from engines.errors import UserError
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "run.json").exists():
+        raise UserError(f"{str(run_dir)!r} is not a moebench run directory (no run.json); pass results/<run_id>.")
+    return run_dir
+
+
+def load_frames(run_dir: str | Path):
+    """(run, cells, measurements, samples) as a dict and three pandas DataFrames."""
+    import pandas as pd
+
+    run_dir = require_run(run_dir)
+    run = json.loads((run_dir / "run.json").read_text())
+    frames = []
+    for file, cols in FILES.items():
+        path = run_dir / file
+        frames.append(pd.read_csv(path) if path.exists() and path.stat().st_size else pd.DataFrame(columns=cols))
+    return (run, *frames)
+
+
+def summarize(cells, measurements):
+    """One row per cell x workload: tok/s statistics + the cell's peak memory and status.
+    Failed cells appear with their status and no throughput, never as a silent gap."""
+    import pandas as pd
+
+    rows = []
+    for _, c in cells.iterrows():
+        m = measurements[measurements["cell_id"] == c["cell_id"]]
+        base = {"engine": c["engine"], "model_name": c["model_name"], "n_cpu_moe": c["n_cpu_moe"],
+                "depth": c["depth"], "status": c["status"], "peak_rss_mib": c["peak_rss_mib"],
+                "peak_vram_mib": c["peak_vram_mib"], "error": c["error"]}
+        if m.empty:
+            rows.append(base | {"workload": "", **{f"tps_{k}": float("nan") for k in stats([])}})
+            continue
+        for wl, g in m.groupby("workload", sort=False):
+            rows.append(base | {"workload": wl, **{f"tps_{k}": v for k, v in stats(g["tokens_per_s"]).items()}})
+    return pd.DataFrame(rows)
+
+
+def llama_bench_records(run: dict, cells, measurements) -> list[dict]:
+    """The measurements in llama-bench's JSON field names, one record per cell x workload."""
+    out = []
+    for _, c in cells.iterrows():
+        m = measurements[measurements["cell_id"] == c["cell_id"]]
+        for wl, g in m.groupby("workload", sort=False):
+            ns, ts = g["ns"].astype(int).tolist(), g["tokens_per_s"].astype(float).tolist()
+            sn, st = stats(ns), stats(ts)
+            first = g.iloc[0]
+            out.append({
+                "build_commit": "", "build_number": 0, "engine": c["engine"], "engine_version": c["engine_version"],
+                "cpu_info": run.get("host", {}).get("cpu", ""), "gpu_info": run.get("host", {}).get("gpu_name", ""),
+                "model_filename": c["model"], "model_type": c["arch"], "n_batch": int(c["n_batch"]),
+                "n_ubatch": int(c["n_ubatch"]), "n_threads": int(c["threads"]), "n_cpu_moe": int(c["n_cpu_moe"]),
+                "flash_attn": c["flash_attn"], "n_prompt": int(first["n_prompt"]), "n_gen": int(first["n_gen"]),
+                "n_depth": int(first["n_depth"]), "test_time": run.get("started", ""),
+                "avg_ns": int(sn["mean"]), "stddev_ns": 0 if math.isnan(sn["std"]) else int(sn["std"]),
+                "avg_ts": st["mean"], "stddev_ts": 0.0 if math.isnan(st["std"]) else st["std"],
+                "samples_ns": ns, "samples_ts": ts,
+            })
+    return out
