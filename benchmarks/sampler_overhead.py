@@ -61,7 +61,8 @@ def main(model: Path, blocks: int = 12, reps: int = 3) -> None:
         p.kill()
         on, off = statistics.median(tps["on"]), statistics.median(tps["off"])
         print(f"{kind}{n_tok}: sampler on {on:.1f} tok/s, off {off:.1f} tok/s (median of {len(tps['on'])} each, "
-              f"ABAB blocks), on/off = {on / off:.4f}, Mann-Whitney p = {mannwhitneyu(tps['on'], tps['off']).pvalue:.2g}")
+              f"ABAB blocks), on/off = {on / off:.4f}, Mann-Whitney p = "
+              f"{mannwhitneyu(tps['on'], tps['off']).pvalue:.2g}")
 
 
 if __name__ == "__main__":

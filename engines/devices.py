@@ -63,3 +63,14 @@ class Nvml:
                 if p.pid in pids and p.usedGpuMemory:
                     total += p.usedGpuMemory
         return total
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (avx2, avx512_bf16, ...); empty where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return frozenset()
+    return frozenset(w for line in text.splitlines() if line.startswith("flags") for w in line.split(":", 1)[1].split())

@@ -80,7 +80,8 @@ class ExternalEngine(Engine):
         if not path.is_file():
             raise ExternalError(f"{self.binary_name} binary {str(path)!r} does not exist; {self.how_to_get}")
         if not os.access(path, os.X_OK):
-            raise ExternalError(f"{self.binary_name} binary {str(path)!r} is not executable; chmod +x it or pass another.")
+            raise ExternalError(f"{self.binary_name} binary {str(path)!r} is not executable; chmod +x it or pass "
+                                f"another.")
         return path.resolve()
 
     def run(self, argv: Sequence[str], env: dict[str, str] | None = None, check: bool = True) -> Completed:

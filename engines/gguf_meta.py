@@ -84,7 +84,8 @@ def read_meta(path: str | Path, require_moe: bool = True) -> ModelMeta:
 
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"Model file {str(path)!r} does not exist; pass the path of a .gguf file or synthesize one with `moebench model synth`.")
+        raise UserError(f"Model file {str(path)!r} does not exist; pass the path of a .gguf file or synthesize one "
+                        f"with `moebench model synth`.")
     size = path.stat().st_size
     with open(path, "rb") as f:
         magic = f.read(4)
@@ -118,7 +119,8 @@ def read_meta(path: str | Path, require_moe: bool = True) -> ModelMeta:
         raise UserError(f"{str(path)!r} ({arch}) is not a Mixture-of-Experts model (no routed expert tensors); "
                         "moebench needs an MoE GGUF such as qwen3moe.")
     if moe_layers and moe_layers[-1] >= n_layers:
-        raise UserError(f"{str(path)!r} has expert tensors for layer {moe_layers[-1]} but only {n_layers} layers; the file is corrupt.")
+        raise UserError(f"{str(path)!r} has expert tensors for layer {moe_layers[-1]} but only {n_layers} layers; the "
+                        f"file is corrupt.")
     return ModelMeta(path=path, arch=arch, n_layers=n_layers, n_expert=n_expert,
                      n_expert_used=int(fields.get(f"{arch}.expert_used_count") or 0), fields=fields,
                      tensors=tensors, file_bytes=size, fingerprint=fingerprint(path, header),

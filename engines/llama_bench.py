@@ -52,7 +52,8 @@ def parse_jsonl(stdout: str) -> list[dict]:
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise ExternalError(f"llama-bench printed a line that is not JSON ({e.msg}): {tail(line, 200)}") from None
+                raise ExternalError(f"llama-bench printed a line that is not JSON ({e.msg}): "
+                                    f"{tail(line, 200)}") from None
     return records
 
 
@@ -63,7 +64,8 @@ def pick_record(records: list[dict], n_prompt: int, n_gen: int, n_depth: int, ou
             return r
     asked = f"n_prompt={n_prompt} n_gen={n_gen} n_depth={n_depth}"
     if records:
-        got = "; ".join(f"n_prompt={r.get('n_prompt')} n_gen={r.get('n_gen')} n_depth={r.get('n_depth')}" for r in records)
+        got = "; ".join(f"n_prompt={r.get('n_prompt')} n_gen={r.get('n_gen')} n_depth={r.get('n_depth')}"
+                        for r in records)
         raise ExternalError(f"llama-bench output has no record for {asked} (got {got})")
     raise ExternalError(f"llama-bench printed no JSON record for {asked}; output tail: {tail(output) or '(none)'}")
 
@@ -123,9 +125,11 @@ class LlamaBenchEngine(ExternalEngine):
     def _flags(self, s: EngineSettings) -> list[str]:
         """The cell's settings as flags this build understands (checked against its --help)."""
         help_text = self.run([self.binary, "--help"], check=False).output
-        has = lambda *names: next((n for n in names if re.search(rf"(^|[\s,]){re.escape(n)}[\s,]", help_text, re.M)), None)
+        has = lambda *names: next((n for n in names if re.search(rf"(^|[\s,]){re.escape(n)}[\s,]", help_text, re.M)),
+                                  None)
         if not has("-m", "--model"):
-            raise ExternalError(f"{self.binary} --help does not look like llama-bench's; output tail: {tail(help_text)}")
+            raise ExternalError(f"{self.binary} --help does not look like llama-bench's; "
+                                f"output tail: {tail(help_text)}")
         flags = ["-m", str(self.model), "-b", s.n_batch, "-ub", s.n_ubatch, "-t", s.threads, "-ngl", 99, "-o", "jsonl"]
         ncmoe = has("-ncmoe", "--n-cpu-moe")
         if ncmoe:
@@ -150,7 +154,8 @@ class LlamaBenchEngine(ExternalEngine):
         argv = [self.binary, *self.flags, "-p", n_prompt, "-n", n_gen, "-r", reps]
         if n_depth:
             if not self.has_depth:
-                raise ExternalError(f"this llama-bench ({self.binary}) has no -d/--n-depth flag for @d{n_depth} workloads")
+                raise ExternalError(f"this llama-bench ({self.binary}) has no -d/--n-depth flag for @d{n_depth} "
+                                    f"workloads")
             argv += ["-d", n_depth]
         if not warmup and self.has_no_warmup:
             argv.append("--no-warmup")
@@ -180,7 +185,8 @@ class LlamaBenchEngine(ExternalEngine):
         return EngineInfo(
             engine=self.name, version=self.version_of(self.binary, p), settings=effective,
             bytes_by_device={},            # llama-bench reports no per-buffer sizes; see extra.model_size
-            expert_bytes_host=self.meta.expert_bytes(int(p.get("n_cpu_moe", s.n_cpu_moe))),   # as llama-bench reports it
+            expert_bytes_host=self.meta.expert_bytes(int(p.get("n_cpu_moe", s.n_cpu_moe))),
+                # as llama-bench reports it
             expert_bytes_total=self.meta.expert_bytes(),
             extra={"probe": {k: v for k, v in p.items() if k not in ("samples_ns", "samples_ts")},
                    "build": self.build_info(self.binary)})

@@ -151,7 +151,8 @@ class LlamaCppEngine(Engine):
                       "op_offload": bool(s.extra.get("op_offload", True)), "mmap": s.mmap,
                       "n_gpu_layers": -1, "system_info": self.L.llama_print_system_info().decode().strip()},
             bytes_by_device=by_buffer,
-            expert_bytes_host=sum(t.n_bytes for t in self.meta.tensors if t.layer is not None and t.layer in host_layers),
+            expert_bytes_host=sum(t.n_bytes for t in self.meta.tensors
+                                  if t.layer is not None and t.layer in host_layers),
             expert_bytes_total=self.meta.expert_bytes(),
             n_overridden_tensors=len(overridden),
             extra={"overridden_tensors": overridden},

@@ -29,7 +29,8 @@ def engine_class(name: str) -> type[Engine]:
     try:
         return getattr(importlib.import_module(module), cls)
     except ImportError as e:   # a broken optional engine is reported, not a crash
-        raise UserError(f"Engine {name!r} cannot be imported ({e}); reinstall moebench with its dependencies.") from None
+        raise UserError(f"Engine {name!r} cannot be imported ({e}); "
+                        "reinstall moebench with its dependencies.") from None
 
 
 def check_available(name: str) -> type[Engine]:

@@ -103,7 +103,8 @@ class TensorSharpEngine(ExternalEngine):
     binary_name = "TensorSharp.Cli"
     extra_key = "tensorsharp"
     env_var = "MOEBENCH_TENSORSHARP"
-    how_to_get = ("it needs .NET and a native build: build TensorSharp.Cli from https://github.com/zhongkaifu/TensorSharp, "
+    how_to_get = ("it needs .NET and a native build: build TensorSharp.Cli from "
+                  "https://github.com/zhongkaifu/TensorSharp, "
                   "then pass `--tensorsharp PATH`, set MOEBENCH_TENSORSHARP=PATH, or put TensorSharp.Cli on PATH.")
 
     def load(self, model: Path, s: EngineSettings) -> None:

@@ -79,7 +79,8 @@ def build_llama_bench(version: str | None, cuda: bool | None, jobs: int | None, 
         return f"already built: {binary} (--force rebuilds)"
     cuda = cuda_present() if cuda is None else cuda
     if not shutil.which("cmake"):
-        raise UserError("cmake is not on PATH; install it (e.g. `apt-get install cmake` or `pip install cmake`) and retry.")
+        raise UserError("cmake is not on PATH; install it (e.g. `apt-get install cmake` or `pip install cmake`) and "
+                        "retry.")
     dest.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="llama-bench-", dir=dest.parent))
     try:
@@ -96,11 +97,14 @@ def build_llama_bench(version: str | None, cuda: bool | None, jobs: int | None, 
             src = next(p for p in work.iterdir() if p.is_dir() and (p / "vendor" / "llama.cpp").is_dir())
             llama = src / "vendor" / "llama.cpp"
             build = work / "build"
-            _run(echo, ["cmake", "-S", str(llama), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TOOLS=ON",
-                  "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF",
+            _run(echo, ["cmake", "-S", str(llama), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                        "-DLLAMA_BUILD_TOOLS=ON",
+                  "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+                      "-DLLAMA_CURL=OFF",
                   "-DBUILD_SHARED_LIBS=OFF", f"-DGGML_CUDA={'ON' if cuda else 'OFF'}"]
                  + (["-G", "Ninja"] if shutil.which("ninja") else []), log)
-            _run(echo, ["cmake", "--build", str(build), "--target", "llama-bench", "-j", str(jobs or os.cpu_count() or 1)], log)
+            _run(echo, ["cmake", "--build", str(build), "--target", "llama-bench", "-j",
+                        str(jobs or os.cpu_count() or 1)], log)
             built = next(build.rglob("bin/llama-bench"))
             binary.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(built, binary)

@@ -23,7 +23,10 @@ def not_moe(tmp_path_factory):
     w = gguf.GGUFWriter(p, "llama")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return p
 
 
@@ -51,9 +54,9 @@ def test_bad_inputs_exit_2_with_one_sentence(tiny, tmp_path, not_moe):
 def test_engines_lists_availability():
     r = moebench("engines")
     assert r.returncode == 0
-    line = next(l for l in r.stdout.splitlines() if "unavailable" in l)
+    line = next(x for x in r.stdout.splitlines() if "unavailable" in x)
     assert "no" in line
-    assert any("llama-cpp" in l and "yes" in l for l in r.stdout.splitlines())
+    assert any("llama-cpp" in x and "yes" in x for x in r.stdout.splitlines())
 
 
 @pytest.mark.parametrize("fmt", ["md", "csv", "json"])
@@ -71,7 +74,8 @@ def test_output_formats(tiny, tmp_path, fmt):
                       "samples_ns", "samples_ts", "avg_ns", "model_filename"):
                 assert k in rec
             assert len(rec["samples_ns"]) == 2 and rec["avg_ts"] > 0 and rec["n_threads"] == 2
-        assert sorted((r["n_cpu_moe"], r["n_prompt"], r["n_gen"]) for r in recs) == [(0, 0, 4), (0, 16, 0), (4, 0, 4), (4, 16, 0)]
+        got = sorted((r["n_cpu_moe"], r["n_prompt"], r["n_gen"]) for r in recs)
+        assert got == [(0, 0, 4), (0, 16, 0), (4, 0, 4), (4, 16, 0)]
     elif fmt == "csv":
         lines = text.strip().splitlines()
         assert lines[0].startswith("engine,n_cpu_moe,workload,status,tok/s median") and len(lines) == 5

@@ -193,7 +193,8 @@ def test_bad_input_exits_2_with_one_sentence(pair, tmp_path):
         assert msg in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     # the same pair matches once the differing setting is ignored on purpose
     r = run_cli("compare", base, other, "--ignore", "threads", "--format", "json")
-    assert r.exit_code == 0 and json.loads(r.stdout)["cells"][0]["settings"] == "n_ctx=512 n_ubatch=512 threads=2→1 flash_attn=auto"
+    assert r.exit_code == 0
+    assert json.loads(r.stdout)["cells"][0]["settings"] == "n_ctx=512 n_ubatch=512 threads=2→1 flash_attn=auto"
 
 
 def test_interleaved_arms_split_and_match_across_what_differs(tmp_path):
@@ -215,7 +216,8 @@ def test_history_selectors(tmp_path):
                  started=f"2026-01-0{i + 1}T00:00:00+00:00", index=True)
     cand = make_run(res, "cand", [{"engine": "e", "n_cpu_moe": 0, "values": {"pp64": noisy(80, seed=9)}}],
                     started="2026-02-01T00:00:00+00:00", index=True)
-    get = lambda sel: json.loads(run_cli("compare", sel, cand, "--results-dir", res, "--format", "json").stdout)["cells"][0]
+    get = lambda sel: json.loads(run_cli("compare", sel, cand, "--results-dir", res, "--format",
+                                         "json").stdout)["cells"][0]
     latest = get("history:latest")                   # r5, not the candidate's own run
     assert latest["n_base"] == 10 and latest["base_median"] == pytest.approx(np.median(noisy(105, seed=5)))
     last5 = get("history:median-of-last-5")          # r1..r5 pooled
@@ -242,7 +244,8 @@ def test_real_sweeps_slower_candidate_is_flagged(tiny, tmp_path):
     r = moebench("compare", *runs, "--ignore", "n_ubatch", "--fail-on-regression", "--format", "json")
     assert r.returncode == 1, r.stderr
     cell = json.loads(r.stdout)["cells"][0]
-    print(f"\nn_ubatch 512 -> 16, pp256: ratio {cell['ratio']:.3f} (95% CI {cell['ci_low']:.3f}-{cell['ci_high']:.3f}), "
+    print(f"\nn_ubatch 512 -> 16, pp256: ratio {cell['ratio']:.3f} (95% CI "
+          f"{cell['ci_low']:.3f}-{cell['ci_high']:.3f}), "
           f"p {cell['p_value']:.2g}: {cell['verdict']}")
     assert cell["verdict"] == "regression" and cell["ratio"] < 0.95
     # both sweeps were indexed on the way: the history baseline finds the first one

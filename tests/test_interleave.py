@@ -34,7 +34,8 @@ def test_arms_take_strict_turns(tiny, tmp_path):
                  "--interleave", "--rounds", "2", "-w", "pp8,pp16", "-r", "4", "--sample-ms", "20",
                  "--results-dir", tmp_path / "res")
     assert r.returncode == 0, r.stderr
-    rows = sorted((int(a), int(b), label, pid) for label, a, b, pid in (x.split() for x in stamps.read_text().splitlines()))
+    rows = sorted((int(a), int(b), label, pid) for label, a, b,
+                  pid in (x.split() for x in stamps.read_text().splitlines()))
     assert [label for _, _, label, _ in rows] == ["A", "B"] * 6 + ["B", "A"] * 6
     assert all(prev[1] <= nxt[0] for prev, nxt in zip(rows, rows[1:])), "two arms worked at the same time"
     pids = [pid for *_, pid in rows]
@@ -48,7 +49,8 @@ def test_arms_take_strict_turns(tiny, tmp_path):
     col = {name: i for i, name in enumerate(meas[0])}
     reps = sorted((m[col["cell_id"]][0], m[col["workload"]], int(m[col["rep"]])) for m in meas[1:])
     assert reps == sorted((a, w, i) for a in "AB" for w in ("pp8", "pp16") for i in range(4))
-    t = [float(x.split(",")[2]) for x in (run / "samples.csv").read_text().splitlines()[1:] if x.split(",")[1].startswith("A/")]
+    t = [float(x.split(",")[2]) for x in (run / "samples.csv").read_text().splitlines()[1:]
+         if x.split(",")[1].startswith("A/")]
     assert t == sorted(t) and len(t) > 4          # both rounds' samples on one time axis
     cells = (run / "cells.csv").read_text()
     assert "A/stamp/" in cells and "B/stamp/" in cells and "interleave_gate" not in cells

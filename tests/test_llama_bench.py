@@ -50,7 +50,8 @@ def test_binary_lookup_order_and_how_to_get_it(tmp_path, monkeypatch):
     for v in ("0.0.1", version("llama_cpp_python")):
         (tmp_path / "llama-bench" / v / "bin").mkdir(parents=True)
         (tmp_path / "llama-bench" / v / "bin" / "llama-bench").write_text("")
-    (tmp_path / "llama-bench" / version("llama_cpp_python") / "build.json").write_text('{"llama_cpp_commit": "0c1e570"}')
+    build = tmp_path / "llama-bench" / version("llama_cpp_python") / "build.json"
+    build.write_text('{"llama_cpp_commit": "0c1e570"}')
     assert LlamaBenchEngine.find().parent.parent.name == version("llama_cpp_python")   # the matching build first
     assert LlamaBenchEngine.available() is None and LlamaBenchEngine.version().startswith("0c1e570 ")
     monkeypatch.setenv("MOEBENCH_LLAMA_BENCH", str(STAND_IN))                            # the environment wins
@@ -102,7 +103,8 @@ def test_missing_binary_is_a_failed_cell_and_the_sweep_goes_on(tiny, tmp_path):
     assert r.returncode == 0, r.stderr
     cells = pd.read_csv(next(tmp_path.glob("*/cells.csv"))).set_index("engine")
     assert cells.loc["llama-cpp", "status"] == "ok" and cells.loc["llama-bench", "status"] == "failed"
-    assert "does not exist" in cells.loc["llama-bench", "error"] and "build-llama-bench" in cells.loc["llama-bench", "error"]
+    assert "does not exist" in cells.loc["llama-bench", "error"] and "build-llama-bench" in cells.loc["llama-bench",
+                                                                                                      "error"]
 
 
 # --- the real llama-bench (built once by `moebench tools build-llama-bench`) -------------------------
@@ -120,7 +122,8 @@ def test_real_llama_bench_on_tiny(tiny, tmp_path):
     run, cells, meas = _sweep(tiny, tmp_path, ["pp32", "tg4@d16"], binary=binary, depths=["0", "all"], repetitions=2)
     assert cells["status"].tolist() == ["ok", "ok"], cells["error"].tolist()
     build = json.loads((binary.parent.parent / "build.json").read_text())
-    assert cells["engine_version"].str.startswith(build["llama_cpp_commit"][:7]).all()   # the commit llama-cpp-python vendors
+    # the commit llama-cpp-python vendors
+    assert cells["engine_version"].str.startswith(build["llama_cpp_commit"][:7]).all()
     eff = [json.loads(e) for e in cells["effective_settings"]]
     assert [(e["threads"], e["n_cpu_moe"], e["n_ubatch"]) for e in eff] == [(2, 0, 512), (2, 4, 512)]
     assert len(meas) == 8 and (meas["ns"] > 0).all() and (meas["tokens_per_s"] > 0).all()

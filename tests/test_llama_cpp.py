@@ -16,7 +16,8 @@ def test_override_patterns_do_not_leak_across_layers():
     import re
     pats = override_patterns(2)
     hit = lambda name: any(re.search(p, name) for p in pats)
-    assert hit("blk.0.ffn_up_exps.weight") and hit("blk.1.ffn_gate_exps.weight") and hit("blk.1.ffn_gate_up_exps.weight")
+    assert all(hit(n) for n in ("blk.0.ffn_up_exps.weight", "blk.1.ffn_gate_exps.weight",
+                                "blk.1.ffn_gate_up_exps.weight"))
     assert not hit("blk.10.ffn_up_exps.weight") and not hit("blk.2.ffn_down_exps.weight")
     assert not hit("blk.0.ffn_up_shexp.weight") and not hit("blk.0.ffn_gate_inp.weight")
 

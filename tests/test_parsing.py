@@ -93,7 +93,10 @@ def test_read_meta_rejects_dense_model(tmp_path):
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
     w.add_tensor("blk.0.ffn_up.weight", np.zeros((8, 8), np.float32))
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     with pytest.raises(UserError, match="not a Mixture-of-Experts"):
         read_meta(tmp_path / "dense.gguf")
 

@@ -93,13 +93,15 @@ def test_plan_calibrates_from_a_real_sweep(tiny, tmp_path):
     p = make_plan(meta, PlanSettings(engine="llama-cpp", n_ctx=16), runs)
     assert p.calibration is not None and p.calibration.n_cells == 2
     assert p.calibration.compute_scale == pytest.approx(1.0, rel=0.05)   # llama.cpp's own compute buffer
-    for c in read_csv(runs[0], "cells.csv"):   # calibrated: the plan's total is never below a measured peak (CPU-only: RSS)
+    for c in read_csv(runs[0],
+                      "cells.csv"):   # calibrated: the plan's total is never below a measured peak (CPU-only: RSS)
         d = p.at(int(c["n_cpu_moe"]))
         assert d.accel_bytes + d.host_bytes >= float(c["peak_rss_mib"]) * 2**20 - 2**20
     out = moebench("plan", "-m", tiny, "--ctx", "16", "--results-dir", tmp_path)
     assert out.returncode == 0 and "calibrated from 2 measured cell(s)" in out.stderr
     js = json.loads(moebench("plan", "-m", tiny, "--ctx", "16", "--no-calibrate", "--format", "json").stdout)
-    assert js["calibration"] is None and [d["host_bytes"] for d in js["depths"]] == [n * EXPERTS_PER_LAYER for n in range(5)]
+    assert js["calibration"] is None
+    assert [d["host_bytes"] for d in js["depths"]] == [n * EXPERTS_PER_LAYER for n in range(5)]
 
 
 def test_plan_bad_input_is_one_sentence(tiny):

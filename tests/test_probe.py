@@ -54,7 +54,8 @@ def test_sweep_embeds_the_stored_profile_in_run_json(tiny, tmp_path):
     run = json.loads(next((tmp_path / "res").glob("*/run.json")).read_text())
     assert run["hardware_profile"] == stored
     # the sweep summary carries the roofline: tg4 on the CPU is bound by 7 GB/s over the bytes of a token
-    import pandas as pd, io
+    import pandas as pd
+    import io
     t = pd.read_csv(io.StringIO(r.stdout))
     tg = t[t["workload"] == "tg4"].iloc[0]
     assert tg["bound tok/s"] == pytest.approx(7e9 / (786432 + 1332736 + 1024 * 2), rel=0.01)

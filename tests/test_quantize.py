@@ -108,7 +108,8 @@ def test_types_and_bytes_match_llama_cpp(models, model, ftype):
     # the model reaches the rules it was built for
     seen = Counter(ours.values())
     expected = {
-        ("moe8", "q4_k_m"): {"Q4_K", "Q6_K", "Q5_K", "Q8_0", "F32"}, ("moe8", "iq4_xs"): {"IQ4_XS", "Q5_K", "Q6_K", "Q8_0"},
+        ("moe8", "q4_k_m"): {"Q4_K", "Q6_K", "Q5_K", "Q8_0", "F32"}, ("moe8", "iq4_xs"): {"IQ4_XS", "Q5_K", "Q6_K",
+                                                                                          "Q8_0"},
         ("moe8", "q5_k_m"): {"Q5_K", "Q6_K", "Q8_0"}, ("moe8", "q4_0"): {"Q4_0", "Q6_K", "Q8_0"},
         ("moe8", "mxfp4"): {"MXFP4", "Q8_0", "F32"}, ("gqa4", "iq4_xs"): {"IQ4_XS", "Q5_K", "Q6_K"},
         ("odd", "q4_k_m"): {"Q5_0", "Q8_0", "F16"}, ("odd", "q5_k_m"): {"Q5_1", "Q8_0", "F16"},

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from harness.store import results
-from tests.conftest import ROOT, moebench
+from tests.conftest import moebench
 
 HOSTILE = "<script>alert(1)</script>|**x**_`y`"
 
@@ -226,6 +226,41 @@ def test_report_renders_in_headless_chromium(real_run, tmp_path):
     assert page["scripts"] == 0 and page["h1"].startswith("moebench report")
     assert shot.startswith(b"\x89PNG") and len(shot) > 50_000
     (tmp_path / "report.png").write_bytes(shot)
-    keep = ROOT / "reports" / "test-artifacts"
-    keep.mkdir(parents=True, exist_ok=True)
-    (keep / "report-chromium.png").write_bytes(shot)
+
+
+def test_interleaved_arms_of_one_engine_are_two_engines_in_the_report(tiny, tmp_path):
+    """`-e stamp,stamp@x=1 --interleave` runs one engine twice; the report's layout shows both arms
+    (it once merged them into one, the last arm winning)."""
+    stamps = tmp_path / "stamps.txt"
+    r = moebench("sweep", "-m", tiny, "-e", f"stamp@stamp_file={stamps},stamp@x=1@stamp_file={stamps}",
+                 "--interleave", "--rounds", "1", "-w", "pp8", "-r", "1", "--sample-ms", "0",
+                 "--results-dir", tmp_path / "res")
+    assert r.returncode == 0, r.stderr
+    run = next((tmp_path / "res").glob("2*"))
+    r = moebench("report", run, "-o", tmp_path / "rep", "--format", "csv")
+    assert r.returncode == 0, r.stderr
+    layout = pd.read_csv(pd.io.common.StringIO(r.stdout))
+    a, b = f"A:stamp@stamp_file={stamps}", f"B:stamp@x=1@stamp_file={stamps}"
+    assert {f"{a} pp8", f"{b} pp8"} <= set(layout.columns)
+    assert layout[f"{a} pp8"].notna().all() and layout[f"{b} pp8"].notna().all()
+
+
+def test_two_files_with_one_gguf_name_stay_two_models(tiny, tmp_path):
+    """Two different files whose general.name is the same are two models in the report, each with its
+    own cells (the report once grouped by name, and the second file's cells replaced the first's)."""
+    other = tmp_path / "other.gguf"
+    data = bytearray(tiny.read_bytes())
+    data[-8:] = bytes(8)            # other weights at the end: another fingerprint, the same header and name
+    other.write_bytes(bytes(data))
+    r = moebench("sweep", "-m", f"{tiny},{other}", "-e", "stamp", "-w", "pp8", "-r", "1", "--sample-ms", "0",
+                 "--results-dir", tmp_path / "res", env={"MOEBENCH_STAMP_FILE": str(tmp_path / "s.txt")})
+    assert r.returncode == 0, r.stderr
+    run = next((tmp_path / "res").glob("2*"))
+    cells = pd.read_csv(run / "cells.csv")
+    assert cells["model_name"].nunique() == 1 and cells["model_fingerprint"].nunique() == 2
+    r = moebench("report", run, "-o", tmp_path / "rep", "--format", "csv")
+    assert r.returncode == 0, r.stderr
+    layout = pd.read_csv(pd.io.common.StringIO(r.stdout))
+    assert len(layout) == 2 and layout["model"].nunique() == 2
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert all(fp in md for fp in cells["model_fingerprint"])

@@ -73,3 +73,42 @@ def test_annotate_real_sweep(tiny, tmp_path):
     assert len(a) == 4 and (a["bound_tps"] > 0).all()
     assert set(a["bound_kind"]) == {"mem", "compute"}
     assert (a["fraction"] == a["tps_median"] / a["bound_tps"]).all()
+
+
+def test_each_cell_gets_the_bound_of_its_own_settings(tiny, tmp_path):
+    """Two cells of one engine, model and depth that differ only in threads (an interleaved A/B): each
+    summary row's bound comes from its own cell (it once came from whichever cell was read last)."""
+    import pandas as pd
+
+    from harness.planning.roofline import annotate
+    from harness.store import results
+
+    meta = read_meta(tiny)
+    profile = {"threads": 2, "cores_physical": 2, "figures": {
+        "host_read_gbps": {"max": 20.0}, "cpu_matmul_fp32_gflops": {"max": 100.0},
+        "cpu_matmul_bf16_gflops": {"max": 100.0}}}
+    base = {"engine": "llama-cpp", "model": str(tiny), "model_name": meta.name, "model_fingerprint": meta.fingerprint,
+            "n_cpu_moe": 0, "n_ubatch": 512, "effective_settings": "{}", "bytes_by_device": "{}"}
+    cells = pd.DataFrame([base | {"cell_id": "A/llama-cpp/x/ncmoe0", "threads": 2},
+                          base | {"cell_id": "B/llama-cpp/x/ncmoe0", "threads": 1}])
+    meas = pd.DataFrame([{"cell_id": c, "workload": "pp64", "tokens_per_s": 100.0} for c in cells["cell_id"]])
+    cells["label"] = [results.CellKey.of(c).label() for c in cells.to_dict("records")]
+    for col in ("depth", "status", "peak_rss_mib", "peak_vram_mib", "error"):
+        cells[col] = ""
+    a = annotate(cells, results.summarize(cells, meas), profile).set_index("cell_id")["bound_tps"]
+    assert a["A/llama-cpp/x/ncmoe0"] == pytest.approx(2 * a["B/llama-cpp/x/ncmoe0"])   # compute-bound: x threads
+
+
+def test_a_file_without_key_length_gets_attention_flops(meta):
+    """llama/Mixtral-style files often lack attention.key_length: a head is then n_embd / n_head wide (the
+    bound once dropped the attention FLOPs, 4 * layers * heads * head_dim * ctx, to zero)."""
+    import dataclasses
+
+    lean = dataclasses.replace(meta, fields={k: v for k, v in meta.fields.items() if not k.endswith("_length")
+                                             or k.endswith(("embedding_length", "expert_feed_forward_length"))})
+    assert lean.get("attention.key_length") is None and meta.get("attention.key_length") == 32 == 128 // 4
+    p = profile(cpu_matmul_fp32_gflops=100.0)
+    with_len, without = (bound(m, CellShape("llama-cpp", 0, threads=2), 4096, 0, 8192, p)[0] for m in (meta, lean))
+    assert without == pytest.approx(with_len)
+    attn = 4 * 4 * 4 * 32 * (8192 + 2048)
+    assert with_len == pytest.approx(100e9 / (FLOPS_PER_TOKEN + attn), rel=1e-6)

@@ -118,7 +118,8 @@ def test_sweep_end_to_end_against_the_stand_in(tiny, tmp_path, monkeypatch):
     ("short", "printed 3 'benchmark run' lines, expected 4", "benchmark run 3/4"),
     ("nosummary", "no 'benchmark summary' line", "benchmark run 4/4"),
 ])
-def test_bad_binary_runs_give_a_failed_cell_with_reason_and_output_tail(tiny, tmp_path, monkeypatch, mode, reason, shown):
+def test_bad_binary_runs_give_a_failed_cell_with_reason_and_output_tail(tiny, tmp_path, monkeypatch, mode, reason,
+                                                                        shown):
     monkeypatch.setenv("STANDIN_MODE", mode)
     _, cells, meas = _sweep(tiny, tmp_path, ["pp32"])
     assert cells["status"].tolist() == ["failed"]
@@ -127,12 +128,14 @@ def test_bad_binary_runs_give_a_failed_cell_with_reason_and_output_tail(tiny, tm
 
 
 def test_missing_binary_and_unsupported_workload_fail_cells_and_the_sweep_goes_on(tiny, tmp_path):
-    r = moebench("sweep", "-m", tiny, "-e", "tensorsharp,llama-cpp", "--tensorsharp", tmp_path / "nope" / "TensorSharp.Cli",
+    r = moebench("sweep", "-m", tiny, "-e", "tensorsharp,llama-cpp", "--tensorsharp",
+                 tmp_path / "nope" / "TensorSharp.Cli",
                  "-w", "pp16", "-r", "1", "--threads", "2", "--results-dir", tmp_path / "a")
     assert r.returncode == 0, r.stderr
     cells = pd.read_csv(next(d for d in (tmp_path / "a").iterdir() if d.is_dir()) / "cells.csv").set_index("engine")
     assert cells.loc["llama-cpp", "status"] == "ok" and cells.loc["tensorsharp", "status"] == "failed"
-    assert "TensorSharp.Cli binary" in cells.loc["tensorsharp", "error"] and "does not exist" in cells.loc["tensorsharp", "error"]
+    assert "TensorSharp.Cli binary" in cells.loc["tensorsharp",
+                                                 "error"] and "does not exist" in cells.loc["tensorsharp", "error"]
     _, cells, _ = _sweep(tiny, tmp_path / "b", ["pp16@d32"])
     assert cells["status"].tolist() == ["failed"] and "cannot time pp16@d32" in cells["error"].iloc[0]
 

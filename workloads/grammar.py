@@ -36,7 +36,8 @@ def parse_workload(text: str) -> Workload:
     name = text.strip().lower()
     m = _NAME.fullmatch(name)
     if not m or int(m.group(2)) == 0:
-        raise UserError(f"Unknown workload {text!r}; use ppN, tgN, ppN@dD or tgN@dD with N > 0 (e.g. pp512, tg128@d8192).")
+        raise UserError(f"Unknown workload {text!r}; use ppN, tgN, ppN@dD or tgN@dD with N > 0 (e.g. pp512, "
+                        f"tg128@d8192).")
     n, depth = int(m.group(2)), int(m.group(3) or 0)
     return Workload(name, n if m.group(1) == "pp" else 0, n if m.group(1) == "tg" else 0, depth)
 

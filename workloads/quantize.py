@@ -99,7 +99,8 @@ def _ggml() -> ctypes.CDLL:
     if _lib is None:
         spec = importlib.util.find_spec("llama_cpp")
         if spec is None or not spec.origin:
-            raise RuntimeError("llama-cpp-python is not installed; it provides ggml's quantizer (pip install llama-cpp-python).")
+            raise RuntimeError("llama-cpp-python is not installed; it provides ggml's quantizer (pip install "
+                               "llama-cpp-python).")
         libdir = Path(spec.origin).parent / "lib"
         names = ["libggml-base.dylib", "libggml-base.so"] if sys.platform == "darwin" else ["libggml-base.so"]
         path = next((libdir / n for n in names if (libdir / n).exists()), None)
@@ -156,7 +157,8 @@ def quantize(a: np.ndarray, ggml_type: str, n_threads: int | None = None) -> np.
     def run(r0: int, r1: int) -> None:
         n = lib.ggml_quantize_chunk(code, src + r0 * k * 4, dst + r0 * rb, 0, r1 - r0, k, None)
         if n != (r1 - r0) * rb:
-            raise RuntimeError(f"ggml_quantize_chunk wrote {n} bytes for {r1 - r0} {ggml_type} rows, expected {(r1 - r0) * rb}.")
+            raise RuntimeError(f"ggml_quantize_chunk wrote {n} bytes for {r1 - r0} {ggml_type} rows, expected "
+                               f"{(r1 - r0) * rb}.")
         if not lib.ggml_validate_row_data(code, dst + r0 * rb, n):   # as llama-quantize checks (NaN/inf scales)
             raise ValueError(f"Quantizing to {ggml_type} produced invalid blocks: the input has non-finite values"
                              + (" or a block whose largest |x| is below 2^-125" if ggml_type == "MXFP4" else "") + ".")

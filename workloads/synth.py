@@ -13,6 +13,7 @@ import numpy as np
 
 from engines.errors import UserError
 from engines.paths import cache_dir
+from engines.reference.archs import ARCHS, Hparams
 
 
 @dataclass(frozen=True)
@@ -54,39 +55,19 @@ def get_preset(name: str, dtype: str | None = None) -> Preset:
     return replace(PRESETS[name], dtype=dtype) if dtype else PRESETS[name]
 
 
+def hparams(p: Preset) -> Hparams:
+    """The preset as the architecture table's hyperparameters (what its tensor shapes are computed from)."""
+    if p.arch not in ARCHS:
+        raise UserError(f"Cannot synthesize architecture {p.arch!r}; supported: {', '.join(ARCHS)}.")
+    return Hparams(arch=p.arch, n_layers=p.n_layers, n_embd=p.n_embd, n_head=p.n_head, n_head_kv=p.n_head_kv,
+                   head_dim=p.head_dim, n_expert=p.n_expert, n_expert_used=p.n_expert_used, n_ff_exp=p.n_ff_exp,
+                   n_ff_shexp=p.n_ff_shexp, n_vocab=p.n_vocab, rope_base=p.rope_base, rms_eps=p.rms_eps,
+                   expert_weights_scale=0.0, tied_output=False, features=ARCHS[p.arch].features)
+
+
 def tensor_shapes(p: Preset) -> dict[str, tuple[int, ...]]:
-    """Every tensor the llama.cpp loader expects for p.arch, name -> numpy shape."""
-    q, kv = p.n_head * p.head_dim, p.n_head_kv * p.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (p.n_vocab, p.n_embd)}
-    for i in range(p.n_layers):
-        b = f"blk.{i}."
-        shapes |= {
-            b + "attn_norm.weight": (p.n_embd,),
-            b + "attn_q.weight": (q, p.n_embd),
-            b + "attn_k.weight": (kv, p.n_embd),
-            b + "attn_v.weight": (kv, p.n_embd),
-            b + "attn_output.weight": (p.n_embd, q),
-            b + "ffn_norm.weight": (p.n_embd,),
-            b + "ffn_gate_inp.weight": (p.n_expert, p.n_embd),
-            b + "ffn_gate_exps.weight": (p.n_expert, p.n_ff_exp, p.n_embd),
-            b + "ffn_up_exps.weight": (p.n_expert, p.n_ff_exp, p.n_embd),
-            b + "ffn_down_exps.weight": (p.n_expert, p.n_embd, p.n_ff_exp),
-        }
-        if p.arch == "qwen3moe":
-            shapes |= {b + "attn_q_norm.weight": (p.head_dim,), b + "attn_k_norm.weight": (p.head_dim,)}
-        elif p.arch == "qwen2moe":
-            shapes |= {b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,),
-                       b + "ffn_gate_inp_shexp.weight": (p.n_embd,),
-                       b + "ffn_gate_shexp.weight": (p.n_ff_shexp, p.n_embd),
-                       b + "ffn_up_shexp.weight": (p.n_ff_shexp, p.n_embd),
-                       b + "ffn_down_shexp.weight": (p.n_embd, p.n_ff_shexp)}
-        elif p.arch == "olmoe":
-            # llama.cpp sizes both olmoe norms n_embd (full projection width): no GQA for olmoe
-            shapes |= {b + "attn_q_norm.weight": (p.n_embd,), b + "attn_k_norm.weight": (p.n_embd,)}
-        elif p.arch != "llama":
-            raise UserError(f"Cannot synthesize architecture {p.arch!r}; supported: qwen3moe, qwen2moe, olmoe, llama.")
-    shapes |= {"output_norm.weight": (p.n_embd,), "output.weight": (p.n_vocab, p.n_embd)}
-    return shapes
+    """Every tensor the llama.cpp loader expects for p.arch (engines.reference.archs), name -> numpy shape."""
+    return ARCHS[p.arch].shapes(hparams(p))
 
 
 def _metadata(w, p: Preset, name: str) -> None:

@@ -32,23 +32,16 @@ VERSION = "0.1.0"
 
 
 def pick_dtype(asked: str, device, stored: str):
-    """Compute dtype. auto: F32 files compute in f32; on CUDA F16 files in f16, the rest in bf16;
-    on a CPU with avx512_bf16/AMX everything else in bf16 (oneDNN: measured ~200 GFLOP/s per Zen4
-    core for 64x1024x1024 vs 68 for f32 and 20 for f16), otherwise f32."""
+    """The torch compute dtype by placement.compute_dtype's rule."""
     import torch
 
     from engines.reference.gguf_io import TORCH_DTYPES
+    from engines.reference.placement import compute_dtype
 
-    if asked != "auto":
-        if asked not in TORCH_DTYPES:
-            raise UserError(f"dtype {asked!r} is not supported by the reference engine; use auto, f32, bf16 or f16.")
-        return TORCH_DTYPES[asked]
-    if stored == "F32":
-        return torch.float32
-    if device.type == "cuda":
-        return torch.float16 if stored == "F16" or not torch.cuda.is_bf16_supported() else torch.bfloat16
-    from engines.reference.kernels import cpu_flags
-    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & cpu_flags() else torch.float32
+    if asked not in ("auto", *TORCH_DTYPES):
+        raise UserError(f"dtype {asked!r} is not supported by the reference engine; use auto, f32, bf16 or f16.")
+    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return TORCH_DTYPES[compute_dtype(asked, device.type, stored, cuda_bf16)]
 
 
 class ReferenceEngine(Engine):
@@ -87,19 +80,20 @@ class ReferenceEngine(Engine):
         from engines.gguf_meta import read_meta
         from engines.reference.gguf_io import (ByteLedger, GGUFTensors, check_entry, dtype_name,
                                                file_dtype, tensor_bytes)
-        from engines.reference.model import (LayerWeights, ModelConfig, ModelWeights, Transformer,
-                                             expected_shapes)
+        from engines.reference.archs import arch_of, hparams
+        from engines.reference.model import LayerWeights, ModelWeights, Transformer
         from engines.reference.kernels import DecodeKernels, hugepage_copy
         from engines.reference.offload import PATHS, ExpertLayer, MoEExecutor, OffloadConfig
 
         meta = read_meta(model, require_moe=False)     # from_meta says which MoE archs are supported
-        cfg = ModelConfig.from_meta(meta)
-        shapes = expected_shapes(cfg)
+        cfg = hparams(meta)
         entries = {t.name: t for t in meta.tensors}
+        shapes = arch_of(meta).shapes(cfg, set(entries))
         missing, extra = sorted(set(shapes) - set(entries)), sorted(set(entries) - set(shapes))
         if missing or extra:
             raise UserError(f"{meta.path.name} does not hold the tensors a {cfg.arch} model needs "
-                            f"(missing: {missing[:3]}, unexpected: {extra[:3]}); the file is corrupt or a variant the reference engine does not support.")
+                            f"(missing: {missing[:3]}, unexpected: {extra[:3]}); the file is corrupt or a variant the "
+                            f"reference engine does not support.")
         for name, shape in shapes.items():
             check_entry(entries[name], shape)
 
@@ -116,7 +110,8 @@ class ReferenceEngine(Engine):
         else:
             device = torch.device(s.device)
             if device.type == "cuda" and not torch.cuda.is_available():
-                raise UserError(f"device {s.device!r} was asked for but torch sees no CUDA device; use --device cpu or auto.")
+                raise UserError(f"device {s.device!r} was asked for but torch sees no CUDA device; use --device cpu or "
+                                f"auto.")
         stored = file_dtype(meta)
         dtype = pick_dtype(s.dtype, device, stored)
         if s.threads < 1 or s.n_ubatch < 1 or s.n_ctx < 1:
@@ -125,9 +120,11 @@ class ReferenceEngine(Engine):
         if x.get("cpu_moe_threads"):
             host_threads, self._host_threads_rule = int(x["cpu_moe_threads"]), "set by cpu_moe_threads"
         elif device.type == "cuda":
-            host_threads, self._host_threads_rule = max(1, min((os.cpu_count() or 2) // 2, 64)), "TensorSharp: min(cpus // 2, 64)"
+            host_threads, self._host_threads_rule = max(1, min((os.cpu_count() or 2) // 2,
+                                                               64)), "TensorSharp: min(cpus // 2, 64)"
         else:
-            host_threads, self._host_threads_rule = s.threads, "threads: CPU-only, host and accelerator parts share the cores"
+            host_threads = s.threads
+            self._host_threads_rule = "threads: CPU-only, host and accelerator parts share the cores"
         ocfg = OffloadConfig(n_cpu_moe=depth, path=path, stream_min_batch=int(x.get("moe_stream_min_batch", 128)),
                              host_threads=host_threads, threads=s.threads)
         cuda = device.type == "cuda"
@@ -169,13 +166,13 @@ class ReferenceEngine(Engine):
             b = f"blk.{i}."
             qkv = [b + f"attn_{p}.weight" for p in "qkv"]
             bias = [b + f"attn_{p}.bias" for p in "qkv"]
-            norm = cfg.spec.qk_norm != "none"
-            sh = cfg.spec.shared_expert
+            norm = cfg.has("qk_norm_head") or cfg.has("qk_norm_full")
+            sh = cfg.has("shared_expert_gated")
             shg = [b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight"]
             layers.append(LayerWeights(
                 attn_norm=acc(b + "attn_norm.weight", f32),
                 wqkv=place(stacked(qkv), "non_experts", "accelerator", qkv),
-                bqkv=place(stacked(bias), "non_experts", "accelerator", bias) if cfg.spec.qkv_bias else None,
+                bqkv=place(stacked(bias), "non_experts", "accelerator", bias) if cfg.has("qkv_bias") else None,
                 q_norm=acc(b + "attn_q_norm.weight", f32) if norm else None,
                 k_norm=acc(b + "attn_k_norm.weight", f32) if norm else None,
                 wo=acc(b + "attn_output.weight"), ffn_norm=acc(b + "ffn_norm.weight", f32),
@@ -193,7 +190,7 @@ class ReferenceEngine(Engine):
         embd = acc("token_embd.weight")
         weights = ModelWeights(token_embd=embd, output_norm=acc("output_norm.weight", f32),
                                output=embd if cfg.tied_output else acc("output.weight"), layers=layers)
-        ext = self._decode_kernels(matvec, device, dtype)
+        ext = self._decode_kernels(matvec, device, dtype, cfg.features)
         self.moe = MoEExecutor(experts, ocfg, device, kernels=ext)
         self.model = Transformer(cfg, weights, self.moe, s.n_ctx, device, dtype,
                                  kernels=DecodeKernels(ext) if ext is not None else None)
@@ -206,7 +203,7 @@ class ReferenceEngine(Engine):
         self.pos, self._logits = 0, None
         self._dtype_name = dtype_name(dtype)
 
-    def _decode_kernels(self, asked: str, device, dtype):
+    def _decode_kernels(self, asked: str, device, dtype, features: frozenset[str]):
         """The compiled decode kernels, or None (ATen); sets self._matvec/_matvec_note for info()."""
         import torch
 
@@ -214,6 +211,8 @@ class ReferenceEngine(Engine):
         self._matvec, ext = "aten", None
         if asked == "aten":
             self._matvec_note = "asked for by decode_matvec=aten"
+        elif not features <= kernels.FUSED_FEATURES:
+            self._matvec_note = f"the fused kernels lack {', '.join(sorted(features - kernels.FUSED_FEATURES))}"
         elif device.type != "cpu" or dtype != torch.bfloat16:
             self._matvec_note = "the kernels are for bf16 compute on a CPU device"
         else:
@@ -221,7 +220,8 @@ class ReferenceEngine(Engine):
             if isinstance(ext, str):
                 self._matvec_note, ext = ext, None
             else:
-                self._matvec, self._matvec_note = "avx512bf16-kernel", "bf16 CPU decode: single-row products and routed experts"
+                self._matvec = "avx512bf16-kernel"
+                self._matvec_note = "bf16 CPU decode: single-row products and routed experts"
         return ext
 
     # --- running ------------------------------------------------------------------------------
@@ -283,7 +283,8 @@ class ReferenceEngine(Engine):
             expert_bytes_host=lg.held_bytes("experts", "host"), expert_bytes_total=lg.held_bytes("experts"),
             n_overridden_tensors=n_host_tensors,
             extra=lg.to_dict() | {
-                "arch": self.cfg.arch, "attention": "torch scaled_dot_product_attention", "file_dtype": self.stored, "compute_dtype": self._dtype_name,
+                "arch": self.cfg.arch, "attention": "torch scaled_dot_product_attention", "file_dtype": self.stored,
+                    "compute_dtype": self._dtype_name,
                 "host_device": "cpu", "accelerator_device": str(self.device),
                 "cpu_moe_threads_rule": self._host_threads_rule,
                 "decode_matvec": self._matvec, "decode_matvec_note": self._matvec_note,

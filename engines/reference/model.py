@@ -1,15 +1,11 @@
-"""The MoE transformer in one readable file (gpt-fast style): config from GGUF metadata, weights,
-static KV cache, and separate prefill / decode functions.
+"""The MoE transformer in one readable file (gpt-fast style): weights, static KV cache, and separate
+prefill / decode functions. Hyperparameters and per-architecture features come from archs.py.
 
 Semantics follow llama.cpp's graphs (src/models/{qwen3moe,qwen2moe,olmoe,llama}.cpp):
 RMSNorm everywhere, attention scale 1/sqrt(head_dim), router = softmax over all experts then top-k
-(build_moe_ffn with GATING_FUNC_SOFTMAX), SiLU-gated experts. Per architecture:
-
-  arch      rope  q/k norm              qkv bias  renormalize top-k  shared expert
-  qwen3moe  NEOX  per head (head_dim)   no        yes                no
-  qwen2moe  NEOX  -                     yes       no                 sigmoid-gated
-  olmoe     NEOX  full width (q_dim)    no        no                 no
-  llama     NORM  -                     no        yes (Mixtral)      no
+(build_moe_ffn with GATING_FUNC_SOFTMAX), SiLU-gated experts; the features (archs.FEATURES) add
+NEOX RoPE, q/k norms per head or over the whole projection, qkv biases, renormalized top-k weights and
+a sigmoid-gated shared expert.
 
 The residual stream and every norm/softmax are f32 (as in ggml); matmuls run in the compute dtype.
 """
@@ -21,120 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engines.errors import UserError
-from engines.gguf_meta import ModelMeta
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    rope_neox: bool
-    qk_norm: str            # "head" | "full" | "none"
-    qkv_bias: bool
-    norm_topk: bool
-    shared_expert: bool
-
-
-ARCHS: dict[str, ArchSpec] = {
-    "qwen3moe": ArchSpec(rope_neox=True, qk_norm="head", qkv_bias=False, norm_topk=True, shared_expert=False),
-    "qwen2moe": ArchSpec(rope_neox=True, qk_norm="none", qkv_bias=True, norm_topk=False, shared_expert=True),
-    "olmoe": ArchSpec(rope_neox=True, qk_norm="full", qkv_bias=False, norm_topk=False, shared_expert=False),
-    "llama": ArchSpec(rope_neox=False, qk_norm="none", qkv_bias=False, norm_topk=True, shared_expert=False),
-}
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    arch: str
-    n_layers: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_expert: int
-    n_expert_used: int
-    n_ff_exp: int
-    n_ff_shexp: int
-    n_vocab: int
-    rope_base: float
-    rms_eps: float
-    expert_weights_scale: float
-    tied_output: bool
-    spec: ArchSpec
-
-    @property
-    def q_dim(self) -> int:
-        return self.n_head * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.n_head_kv * self.head_dim
-
-    @classmethod
-    def from_meta(cls, meta: ModelMeta) -> "ModelConfig":
-        """Validate the metadata; every number is checked before anything is allocated."""
-        if meta.arch not in ARCHS or not meta.moe_layers:
-            what = f"architecture {meta.arch!r}" if meta.arch not in ARCHS else "a model without routed experts"
-            raise UserError(f"{meta.path.name} is {what}, which the reference engine does not run; "
-                            f"supported: Mixture-of-Experts models of {', '.join(ARCHS)}.")
-
-        def num(key: str, default=None, kind=int):
-            v = meta.get(key, default)
-            if v is None:
-                raise UserError(f"{meta.path.name}: metadata key {meta.arch}.{key} is missing; the file is not a usable {meta.arch} model.")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v > (1 << 30):
-                raise UserError(f"{meta.path.name}: metadata {meta.arch}.{key} = {v!r} is not a valid positive number.")
-            return kind(v)
-
-        n_embd, n_head = num("embedding_length"), num("attention.head_count")
-        head_dim = num("attention.key_length", n_embd // n_head)
-        if num("attention.value_length", head_dim) != head_dim or num("rope.dimension_count", head_dim) != head_dim:
-            raise UserError(f"{meta.path.name}: key/value lengths and rope dimensions differ; the reference engine needs them equal.")
-        n_expert, n_used = num("expert_count"), num("expert_used_count")
-        if n_used > n_expert or head_dim % 2:
-            raise UserError(f"{meta.path.name}: expert_used_count {n_used} > expert_count {n_expert} or odd head size; the file is corrupt.")
-        names = {t.name for t in meta.tensors}
-        spec = ARCHS[meta.arch]
-        cfg = cls(
-            arch=meta.arch, n_layers=meta.n_layers, n_embd=n_embd, n_head=n_head,
-            n_head_kv=num("attention.head_count_kv", n_head), head_dim=head_dim,
-            n_expert=n_expert, n_expert_used=n_used,
-            n_ff_exp=num("expert_feed_forward_length", meta.get("feed_forward_length")),
-            n_ff_shexp=num("expert_shared_feed_forward_length", meta.get("feed_forward_length")) if spec.shared_expert else 0,
-            n_vocab=meta.n_vocab, rope_base=num("rope.freq_base", 10000.0, float),
-            rms_eps=num("attention.layer_norm_rms_epsilon", kind=float),
-            expert_weights_scale=float(meta.get("expert_weights_scale", 0.0) or 0.0),
-            tied_output="output.weight" not in names, spec=spec)
-        if cfg.n_head % cfg.n_head_kv or cfg.n_vocab <= 0:
-            raise UserError(f"{meta.path.name}: head_count {n_head} is not a multiple of head_count_kv {cfg.n_head_kv} or the vocabulary is empty.")
-        if meta.arch == "olmoe" and not cfg.q_dim == cfg.kv_dim == n_embd:
-            raise UserError(f"{meta.path.name}: olmoe needs head_count_kv == head_count and head_count*key_length == "
-                            "embedding_length (llama.cpp sizes its q/k norms n_embd).")
-        return cfg
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the file must hold, name -> numpy shape (reverse of ggml ne)."""
-    D, q, kv, E = cfg.n_embd, cfg.q_dim, cfg.kv_dim, cfg.n_expert
-    s: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.n_vocab, D), "output_norm.weight": (D,)}
-    if not cfg.tied_output:
-        s["output.weight"] = (cfg.n_vocab, D)
-    for i in range(cfg.n_layers):
-        b = f"blk.{i}."
-        s |= {b + "attn_norm.weight": (D,), b + "attn_q.weight": (q, D), b + "attn_k.weight": (kv, D),
-              b + "attn_v.weight": (kv, D), b + "attn_output.weight": (D, q), b + "ffn_norm.weight": (D,),
-              b + "ffn_gate_inp.weight": (E, D),
-              b + "ffn_gate_exps.weight": (E, cfg.n_ff_exp, D), b + "ffn_up_exps.weight": (E, cfg.n_ff_exp, D),
-              b + "ffn_down_exps.weight": (E, D, cfg.n_ff_exp)}
-        if cfg.spec.qk_norm != "none":
-            qn, kn = (cfg.head_dim, cfg.head_dim) if cfg.spec.qk_norm == "head" else (D, D)   # olmoe: n_embd
-            s |= {b + "attn_q_norm.weight": (qn,), b + "attn_k_norm.weight": (kn,)}
-        if cfg.spec.qkv_bias:
-            s |= {b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)}
-        if cfg.spec.shared_expert:
-            f = cfg.n_ff_shexp
-            s |= {b + "ffn_gate_inp_shexp.weight": (D,), b + "ffn_gate_shexp.weight": (f, D),
-                  b + "ffn_up_shexp.weight": (f, D), b + "ffn_down_shexp.weight": (D, f)}
-    return s
+from engines.reference.archs import Hparams
 
 
 @dataclass
@@ -160,14 +43,14 @@ class ModelWeights:
     layers: list[LayerWeights]
 
 
-def rope_tables(cfg: ModelConfig, n_ctx: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: Hparams, n_ctx: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: (n_ctx, head_dim) f32 such that rope(x) = x*cos + rotate(x)*sin, with
     theta_i = pos * base^(-2i/head_dim) (ggml_rope_ext, no scaling). NEOX pairs value i with i+hd/2,
     NORM pairs 2i with 2i+1; the sign of the rotation is folded into sin."""
     inv = cfg.rope_base ** (-torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
     ang = torch.arange(n_ctx, dtype=torch.float64)[:, None] * inv[None, :]      # (n_ctx, hd/2)
     c, s = ang.cos().float(), ang.sin().float()
-    if cfg.spec.rope_neox:
+    if cfg.has("rope_neox"):
         cos, sin = torch.cat((c, c), dim=-1), torch.cat((-s, s), dim=-1)
     else:
         cos, sin = torch.stack((c, c), dim=-1).flatten(-2), torch.stack((-s, s), dim=-1).flatten(-2)
@@ -183,7 +66,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
     return torch.addcmul(x * cos, rotated, sin)
 
 
-def attention(cfg: ModelConfig, lw: LayerWeights, qk_norm: torch.Tensor | None, Kc: torch.Tensor, Vc: torch.Tensor,
+def attention(cfg: Hparams, lw: LayerWeights, qk_norm: torch.Tensor | None, Kc: torch.Tensor, Vc: torch.Tensor,
               cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, pos: int, dtype: torch.dtype,
               linear=F.linear, norm=F.rms_norm) -> torch.Tensor:
     """x: (n, D) f32 residual -> attention output (n, D) f32, writing K/V into the layer's cache
@@ -192,16 +75,16 @@ def attention(cfg: ModelConfig, lw: LayerWeights, qk_norm: torch.Tensor | None, 
     n, H, Hkv, hd = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
     h = norm(x, (cfg.n_embd,), lw.attn_norm, cfg.rms_eps).to(dtype)
     qkv = linear(h, lw.wqkv, lw.bqkv).float()                             # (n, q + 2kv)
-    if cfg.spec.qk_norm == "full":                                         # olmoe: over the whole projection
+    if cfg.has("qk_norm_full"):                                         # olmoe: over the whole projection
         q, k, v = qkv.split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
         qk = torch.cat((norm(q, (cfg.q_dim,), lw.q_norm, cfg.rms_eps),
                         norm(k, (cfg.kv_dim,), lw.k_norm, cfg.rms_eps)), dim=-1)
     else:
         qk, v = qkv.split((cfg.q_dim + cfg.kv_dim, cfg.kv_dim), dim=-1)
     qk = qk.view(n, H + Hkv, hd)                                           # q heads, then k heads
-    if cfg.spec.qk_norm == "head":                                         # qwen3moe: per head
+    if cfg.has("qk_norm_head"):                                         # qwen3moe: per head
         qk = norm(qk, (hd,), None, cfg.rms_eps) * qk_norm
-    qk = apply_rope(qk, cos[pos:pos + n, None, :], sin[pos:pos + n, None, :], cfg.spec.rope_neox).to(Kc.dtype)
+    qk = apply_rope(qk, cos[pos:pos + n, None, :], sin[pos:pos + n, None, :], cfg.has("rope_neox")).to(Kc.dtype)
     q, k = qk[:, :H], qk[:, H:]                                            # (n, H, hd), (n, Hkv, hd)
     end = pos + n
     Kc[:, pos:end] = k.transpose(0, 1)
@@ -222,10 +105,10 @@ def attention(cfg: ModelConfig, lw: LayerWeights, qk_norm: torch.Tensor | None, 
     return F.linear(o.to(dtype), lw.wo).float()
 
 
-def route(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def route(cfg: Hparams, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """h: (n, D) f32 normed -> expert weights (n, k) f32 and ids (n, k)."""
     logits = F.linear(h, lw.router)                                        # (n, E)
-    if cfg.spec.norm_topk:   # softmax over all experts, top-k, renormalized == softmax of the top-k logits
+    if cfg.has("norm_topk"):   # softmax over all experts, top-k, renormalized == softmax of the top-k logits
         top, ids = logits.topk(cfg.n_expert_used, dim=-1)
         w = torch.softmax(top, dim=-1)
     else:
@@ -245,7 +128,7 @@ def shared_expert(lw: LayerWeights, h: torch.Tensor, hc: torch.Tensor, linear=F.
 class Transformer:
     """Weights + static KV cache. `moe(il, h, ids, w)` (engines.reference.offload) runs the experts."""
 
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, moe, n_ctx: int,
+    def __init__(self, cfg: Hparams, weights: ModelWeights, moe, n_ctx: int,
                  device: torch.device, dtype: torch.dtype, kernels=None):
         self.cfg, self.w, self.moe, self.n_ctx, self.device, self.dtype = cfg, weights, moe, n_ctx, device, dtype
         # kernels: None, or kernels.DecodeKernels (bf16 on CPU): single rows of F.linear / F.rms_norm, and
@@ -267,7 +150,7 @@ class Transformer:
         # (q_norm per q head, then k_norm per kv head; 6 KiB a layer) normalizes both in one call.
         H, Hkv, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         self.qk_norm = [torch.cat((lw.q_norm.expand(H, hd), lw.k_norm.expand(Hkv, hd)))
-                        for lw in weights.layers] if cfg.spec.qk_norm == "head" else None
+                        for lw in weights.layers] if cfg.has("qk_norm_head") else None
 
     @property
     def kv_bytes(self) -> int:
@@ -291,7 +174,7 @@ class Transformer:
             w, ids = route(cfg, lw, h)                                     # (n, k) each
         hc = h.to(self.dtype)
         out = self.moe(il, hc, ids, w)                                     # (n, D) f32
-        if cfg.spec.shared_expert:
+        if cfg.has("shared_expert_gated"):
             out = out + shared_expert(lw, h, hc, self.linear)
         return out
 

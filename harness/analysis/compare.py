@@ -3,7 +3,7 @@
 A cell is a regression (or improvement) only when the change is both statistically significant
 (Mann-Whitney U over the raw repetitions, p < alpha) and larger than the threshold (asv's rule), so
 noise stays quiet and tiny-but-real shifts do not fail a build. Cells are matched by their full
-configuration key (history.KEY_FIELDS); nothing is ever pooled across depths or settings.
+configuration key (harness.store.results.KEY_FIELDS); nothing is ever pooled across depths or settings.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from engines.errors import UserError
 from harness.store import history
+from harness.store.results import KEY_FIELDS
 
 MIN_REPS = 3            # below this per side a median and a rank test say nothing
 N_BOOT = 2000
@@ -120,7 +121,7 @@ def _history_side(text: str, results_dir: Path, cand: Side, match_key) -> Side:
     wanted = {match_key(c) for c in cand.cells}
     picked: dict[tuple, list[tuple[str, str, str]]] = {}
     for run_id, arm, key_text, path, _ in history.indexed_cells(db, exclude):
-        key = match_key(dict(zip(history.KEY_FIELDS, json.loads(key_text))))
+        key = match_key(dict(zip(KEY_FIELDS, json.loads(key_text))))
         runs = picked.setdefault(key, [])
         if key in wanted and (len({r for r, _, _ in runs}) < k or run_id in {r for r, _, _ in runs}):
             runs.append((run_id, arm, path))
@@ -169,10 +170,10 @@ def key_of(fields: list[str]):
 
 def compare_sides(base: Side, cand: Side, metric: str, alpha: float, threshold: float, ignore: list[str]) -> dict:
     """Match cells by key (minus `ignore`), judge each pair; returns cells, summary and unmatched rows."""
-    bad = [f for f in ignore if f not in history.KEY_FIELDS]
+    bad = [f for f in ignore if f not in KEY_FIELDS]
     if bad:
-        raise UserError(f"--ignore {','.join(bad)} is not a key field; choose from {', '.join(history.KEY_FIELDS)}.")
-    fields = [k for k in history.KEY_FIELDS if k not in ignore]
+        raise UserError(f"--ignore {','.join(bad)} is not a key field; choose from {', '.join(KEY_FIELDS)}.")
+    fields = [k for k in KEY_FIELDS if k not in ignore]
     match_key = key_of(fields)
     sides = {}
     for name, side in (("base", base), ("candidate", cand)):
@@ -199,13 +200,15 @@ def compare_sides(base: Side, cand: Side, metric: str, alpha: float, threshold: 
             r.verdict, r.note = "candidate failed", f"candidate cell {cc.status}: {cc.error[:200]}"
         elif bc.status != "ok":
             r.verdict, r.note = "insufficient data", f"baseline cell {bc.status}"
-        engine = bc.key["engine"] if bc.key["engine"] == cc.key["engine"] else f"{bc.key['engine']} → {cc.key['engine']}"
+        eb, ec = bc.key["engine"], cc.key["engine"]
+        engine = eb if eb == ec else f"{eb} → {ec}"
         changed = {f: f"{bc.key[f]}→{cc.key[f]}" for f in ignore if bc.key[f] != cc.key[f]}
         rows.append({"engine": engine, "model": bc.model_name, "n_cpu_moe": bc.key["n_cpu_moe"],
                      "workload": bc.key["workload"], "settings": history.settings_label(bc.key, changed), **asdict(r)})
     unmatched = [{"only in": name, "engine": x.key["engine"], "model": x.model_name, "n_cpu_moe": x.key["n_cpu_moe"],
                   "workload": x.key["workload"], "settings": history.settings_label(x.key)}
-                 for name, own, other in (("base", b, c), ("candidate", c, b)) for k, x in own.items() if k not in other]
+                 for name, own, other in (("base", b, c), ("candidate", c, b)) for k,
+                     x in own.items() if k not in other]
     return {"cells": rows, "summary": _summary(rows), "unmatched": unmatched}
 
 
@@ -213,9 +216,9 @@ def _differing(base, cand) -> list[str]:
     """The fields in which each candidate cell differs from its closest baseline cell."""
     fields: set[str] = set()
     for c in cand:
-        diffs = [{f for f in history.KEY_FIELDS if b.key[f] != c.key[f]} for b in base]
+        diffs = [{f for f in KEY_FIELDS if b.key[f] != c.key[f]} for b in base]
         fields |= min(diffs, key=len) if diffs else set()
-    return [f for f in history.KEY_FIELDS if f in fields]
+    return [f for f in KEY_FIELDS if f in fields]
 
 
 def _summary(rows: list[dict]) -> list[dict]:
@@ -247,7 +250,7 @@ def judge(base: str, cand: str, results_dir: Path, metric: str, alpha: float, th
     cand_side = _run_side(cand, results_dir)
     ignored, notes = list(ignored), []
     if _pooled(base):
-        fields = [k for k in history.KEY_FIELDS if k not in ignored]
+        fields = [k for k in KEY_FIELDS if k not in ignored]
         base_side = _history_side(base, results_dir, cand_side, key_of(fields))
     else:
         base_side = _run_side(base, results_dir)

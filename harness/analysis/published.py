@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
 from typing import Callable
 
 from engines.errors import UserError
@@ -43,7 +42,8 @@ def select(df, model: str | None = None, revision: str | None = None):
         df = df[df["doc_revision"].map(lambda r: revision_key(r).lower() == revision.lower())]
     if model:
         if model.lower() not in {m.lower() for m in df["model"]}:
-            raise UserError(f"No published table for model {model!r}; choose from: {', '.join(sorted(set(df['model'])))}.")
+            raise UserError(f"No published table for model {model!r}; choose from: "
+                            f"{', '.join(sorted(set(df['model'])))}.")
         df = df[df["model"].str.lower() == model.lower()]
     return df
 
@@ -125,7 +125,8 @@ def hardware_rows(df, host: dict, model_meta: dict) -> list[dict]:
     return [
         {"": "host", "published": p.host, "this run": host.get("hostname", "")},
         {"": "GPU", "published": p.gpu, "this run": gpu},
-        {"": "CPU", "published": p.cpu, "this run": f"{host.get('cpu', '')} ({host.get('cores_logical', '?')} threads)"},
+        {"": "CPU", "published": p.cpu,
+         "this run": f"{host.get('cpu', '')} ({host.get('cores_logical', '?')} threads)"},
         {"": "RAM GiB", "published": str(p.ram_gib), "this run": f"{host.get('ram_mib', 0) / 1024:.0f}"},
         {"": "model", "published": f"{p.model} {p.quant}", "this run": model_meta.get("name", "")},
         {"": "MoE layers", "published": str(p.moe_layers), "this run": str(model_meta.get("n_moe_layers", ""))},

@@ -37,33 +37,40 @@ class Report:
     out_dir: Path
     blocks: list = field(default_factory=list)     # ("h", level, P) | ("p", P) | ("table", P, rows) | ("img", path, P)
     tables: list = field(default_factory=list)     # (title, raw rows) for stdout
+    layout: list = field(default_factory=list)     # the published-layout rows of every model (csv, json)
 
     def print_tables(self, fmt: str) -> None:
         from harness.analysis.published import display
         from harness.analysis.tables import render
         if fmt in ("csv", "json"):
-            render([r for _, rows in self.tables[:1] for r in rows], fmt)    # the published-layout rows
+            render(self.layout, fmt)
             return
         for title, rows in self.tables:
             render(display(rows), fmt, title)      # md: tables.markdown escapes every cell
 
 
 def load_runs(run_dirs: list[Path]):
-    """(runs, cells, measurements, samples) of every run; cell ids prefixed by run id when merging runs."""
+    """(runs, cells, measurements, samples) of every run; cell ids prefixed by run id when merging runs.
+    A cell's `engine` here is its label (an interleaved run's two arms are two engines, `A:...` and `B:...`)."""
     import pandas as pd
+
     from harness.store import results
 
     runs, frames = [], []
     for d in run_dirs:
         run, *fs = results.load_frames(d)
+        cells = fs[0]
+        # the latest cell wins when runs repeat one: same label, model file, depth and node
+        cells["key"] = [(c["label"], k.model_fingerprint, k.n_cpu_moe, k.node)
+                        for c, k in ((c, results.CellKey.of(c)) for c in cells.to_dict("records"))]
+        cells["engine"] = cells["label"]
         if len(run_dirs) > 1:
             for f in fs:
                 f["cell_id"] = run["run_id"] + ":" + f["cell_id"].astype(str)
         runs.append(run)
         frames.append(fs)
     cells, meas, samples = (pd.concat([f[i] for f in frames], ignore_index=True) for i in range(3))
-    # The latest cell wins when runs repeat one (engine, model, depth).
-    cells = cells.drop_duplicates(["engine", "model_name", "n_cpu_moe"], keep="last")
+    cells = cells.drop_duplicates("key", keep="last")
     return runs, cells, meas, samples
 
 
@@ -71,7 +78,8 @@ def pick_engines(engines: list[str], engine_a: str | None, baseline: str | None)
     for e in (engine_a, baseline):
         if e and e not in engines:
             raise UserError(f"Engine {e!r} is not in these results; choose from: {', '.join(engines)}.")
-    b = baseline or next((e for e in B_PREFERRED if e in engines), engines[0])
+    arms = [e for e in engines if e.startswith(("A:", "B:"))]      # an interleaved run: A against B
+    b = baseline or next((e for e in [*B_PREFERRED, *arms[1:]] if e in engines), engines[0])
     a = engine_a or next((e for e in [*A_PREFERRED, *engines] if e in engines and e != b), "(none)")
     return a, b
 
@@ -174,9 +182,11 @@ def write_report(run_dirs: list[Path], out_dir: Path, engine_a: str | None = Non
     table(_runs_rows(runs), "Runs and hosts")
     if not any(r.get("host", {}).get("gpus") for r in runs):
         para("No GPU: VRAM not measured (the VRAM columns say so instead of showing zeros).")
-    for i, (model, mcells) in enumerate(cells.groupby("model_name", sort=False)):
-        ms = summary[summary["model_name"] == model]
+    names = cells.groupby("model_name")["model_fingerprint"].nunique()
+    for i, (fp, mcells) in enumerate(cells.groupby("model_fingerprint", sort=False)):   # a file, not a name
+        ms = summary[summary["model_fingerprint"] == fp]
         first = mcells.iloc[0]
+        model = first["model_name"] if names[first["model_name"]] == 1 else f"{first['model_name']} ({fp})"
         depths = sorted(int(d) for d in mcells["n_cpu_moe"].unique())
         wls = [w for w in dict.fromkeys(ms["workload"]) if isinstance(w, str) and w]
         H(2, "Model {m}", m=model)
@@ -187,6 +197,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, engine_a: str | None = Non
         table(published.display(layout), "Published layout. A = {a}, B = {b} (baseline); throughput = median tok/s "
               "over the repetitions; ratio = A / B; failed cells name their status.", a=a, b=b)
         rep.tables.append((title, [{"model": model} | r for r in layout]))
+        rep.layout += rep.tables[-1][1]
         fair = fairness_rows(mcells, meas, a, b, depths)
         if fair:
             table(fair, "Fairness: settings that differed between {a} and {b} at the same depth", a=a, b=b)
@@ -261,7 +272,8 @@ def to_html(rep: Report) -> str:
         elif blk[0] == "p":
             out.append(f"<p>{blk[1].html()}</p>")
         elif blk[0] == "table":
-            body = pd.DataFrame(blk[2]).to_html(index=False, escape=True, border=0, na_rep="") if blk[2] else "<p>none</p>"
+            body = pd.DataFrame(blk[2]).to_html(index=False, escape=True, border=0,
+                                                na_rep="") if blk[2] else "<p>none</p>"
             out.append(f"<h4>{blk[1].html()}</h4><div class=\"scroll\">{body}</div>")
         else:
             data = base64.b64encode(blk[1].read_bytes()).decode()

@@ -24,7 +24,8 @@ def history(engines, workloads, depths, last, results_dir, plot, fmt) -> None:
     """Each cell's median tokens/s across the indexed runs: a trend table and a PNG plot."""
     from harness.analysis.plots import history_plot
     from harness.analysis.tables import render
-    from harness.store.history import KEY_FIELDS, db_path, settings_label, trend
+    from harness.store.history import db_path, settings_label, trend
+    from harness.store.results import KEY_FIELDS
 
     runs, rows = trend(db_path(results_dir), split_list(engines), split_list(workloads), split_list(depths), last)
     table = []

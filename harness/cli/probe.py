@@ -25,7 +25,8 @@ def probe(threads, quick, no_save, fmt, output):
     rows = [{"figure": k, "median": f["median"], "min": f["min"], "max": f["max"], "cv %": 100 * f["cv"],
              "n": f["n"], "unit": f["unit"]} for k, f in p["figures"].items()]
     if p.get("cuda"):
-        rows.append({"figure": "vram_free_mib", "median": p["vram_free_mib"], "unit": f"of {p['vram_total_mib']:,.0f} MiB"})
+        rows.append({"figure": "vram_free_mib", "median": p["vram_free_mib"], "unit": f"of {p['vram_total_mib']:,.0f} "
+                                                                                      f"MiB"})
     render(rows, fmt, title=f"hardware profile: {p['hostname']}, {p['threads']} threads", out=output, json_payload=p)
     if not no_save:
         click.echo(f"stored: {save_profile(p)}", err=True)

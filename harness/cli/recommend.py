@@ -43,7 +43,8 @@ def recommend(model, vram, ram, n_ctx, objective, runs, margin, engine, n_ubatch
     elif (vram_b := free_vram()) is not None:
         vram_src = "free on GPU 0"
     else:
-        raise UserError("No NVIDIA GPU found on this machine; pass --vram SIZE (e.g. --vram 16GiB) for the GPU you plan for.")
+        raise UserError("No NVIDIA GPU found on this machine; pass --vram SIZE (e.g. --vram 16GiB) for the GPU you "
+                        "plan for.")
     ram_b, ram_src = (parse_size(ram, "--ram"), "given") if ram else (psutil.virtual_memory().available, "available")
     margin_b = parse_size(margin, "--margin")
     runs = [Path(r) for r in runs]

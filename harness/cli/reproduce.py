@@ -16,7 +16,8 @@ from harness.cli.options import FORMAT, split_list, user_errors
 @click.option("--revision", default=DEFAULT_REVISION, show_default=True, help="Revision of the published document.")
 @click.option("-e", "--engines", default="reference,llama-cpp", show_default=True,
               help=f"Two engines: the first stands for {A}, the second for {B}.")
-@click.option("-w", "--workloads", default=None, help="Override the published workloads (e.g. pp16,tg4 for a quick check).")
+@click.option("-w", "--workloads", default=None, help="Override the published workloads (e.g. pp16,tg4 for a quick "
+                                                      "check).")
 @click.option("-r", "--repetitions", type=int, default=None, help="Override the published repetitions.")
 @click.option("--threads", type=int, default=None, help="CPU threads (default: all cores).")
 @click.option("--clamp", is_flag=True, help="Run depths beyond the file's layers at all layers (else an error).")
@@ -36,7 +37,8 @@ def reproduce(published_model, model_file, revision, engines, workloads, repetit
     df = select(load(), model=published_model, revision=revision)
     engines_ = split_list(engines)
     if len(engines_) != 2:
-        raise UserError(f"--engines {engines!r} must name two engines (one for {A}, one for {B}), e.g. reference,llama-cpp.")
+        raise UserError(f"--engines {engines!r} must name two engines (one for {A}, one for {B}), e.g. "
+                        f"reference,llama-cpp.")
     if not Path(model_file).exists():
         raise UserError(f"--model-file {model_file!r} does not exist; pass the path of a GGUF file.")
     meta = read_meta(model_file)
@@ -56,7 +58,8 @@ def reproduce(published_model, model_file, revision, engines, workloads, repetit
         {"item": "engines", "value": f"{engines_[0]} for {A}, {engines_[1]} for {B}"},
         {"item": "n_cpu_moe", "value": ", ".join(map(str, depths))},
         {"item": "workloads", "value": ", ".join(wls)},
-        {"item": "repetitions", "value": f"{reps} (published best-of: {A} {reps_published[A]}, {B} {reps_published[B]})"},
+        {"item": "repetitions",
+         "value": f"{reps} (published best-of: {A} {reps_published[A]}, {B} {reps_published[B]})"},
         {"item": "matched settings", "value": f"threads {spec.threads}, n_ubatch {spec.n_ubatch}, n_batch "
                                               f"{spec.n_batch}, flash-attn {spec.flash_attn} for both engines"},
     ]

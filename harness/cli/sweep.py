@@ -30,7 +30,8 @@ from harness.cli.options import FORMAT, OUTPUT, split_list, user_errors
 @click.option("--moe-stream-min-batch", type=int, default=None,
               help="reference: batches at least this large stream offloaded experts to the accelerator (default 128).")
 @click.option("--llama-bench", "llama_bench", type=click.Path(dir_okay=False), default=None,
-              help="llama-bench: the binary to run (default: $MOEBENCH_LLAMA_BENCH, `moebench tools build-llama-bench`, PATH).")
+              help="llama-bench: the binary to run (default: $MOEBENCH_LLAMA_BENCH, `moebench tools "
+                   "build-llama-bench`, PATH).")
 @click.option("--tensorsharp", type=click.Path(dir_okay=False), default=None,
               help="tensorsharp: the TensorSharp.Cli binary (default: $MOEBENCH_TENSORSHARP, PATH).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Token ids and synthesized weights.")

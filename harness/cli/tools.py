@@ -14,7 +14,8 @@ def tools() -> None:
 @tools.command("build-llama-bench")
 @click.option("--version", "version", default=None,
               help="llama-cpp-python version whose vendored llama.cpp to build (default: the installed one).")
-@click.option("--cuda/--no-cuda", default=None, help="Build with CUDA (default: when nvcc and an NVIDIA GPU are present).")
+@click.option("--cuda/--no-cuda", default=None, help="Build with CUDA (default: when nvcc and an NVIDIA GPU are "
+                                                     "present).")
 @click.option("-j", "--jobs", type=int, default=None, help="Parallel build jobs (default: all cores).")
 @click.option("--force", is_flag=True, help="Rebuild even if the cache already holds this version.")
 @user_errors

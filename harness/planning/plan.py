@@ -18,10 +18,11 @@ from pathlib import Path
 
 from engines.errors import UserError
 from engines.gguf_meta import ModelMeta, TensorEntry
+from engines.reference import placement
+from engines.reference.placement import DTYPE_BYTES
 from harness.units import MiB as MIB
 
 ENGINES = ("llama-cpp", "reference")
-DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 LLAMA_CTX_PAD = 256        # llama.cpp 0.3.36 rounds the KV cache up to 256 cells (asked 100 -> 256 cells)
 
 
@@ -49,38 +50,20 @@ class ModelBytes:
         return sum(self.expert_by_layer[lo:hi])
 
 
-def _is_f32_in_reference(name: str) -> bool:
-    # the reference engine keeps norms and routers in f32 and everything else in its compute dtype
-    return name.endswith("norm.weight") or ".ffn_gate_inp" in name
-
-
-def held_bytes(t: TensorEntry, weight_dtype: str) -> int:
-    """Bytes an engine holds for tensor t: the file's bytes ("file"), or converted to weight_dtype."""
-    if weight_dtype == "file":
-        return t.n_bytes
-    return math.prod(t.ne) * (4 if _is_f32_in_reference(t.name) else DTYPE_BYTES[weight_dtype])
+def held_bytes(meta: ModelMeta, t: TensorEntry, weight_dtype: str) -> int:
+    """Bytes an engine holds for tensor t: the file's bytes ("file"), or the reference engine's at weight_dtype."""
+    return t.n_bytes if weight_dtype == "file" else placement.held_bytes(meta.arch, t, weight_dtype)
 
 
 def reference_dtype(meta: ModelMeta, s: PlanSettings) -> str:
-    """The reference engine's compute dtype for this file and device (its own rule, pick_dtype)."""
-    if s.dtype in DTYPE_BYTES:      # explicit (e.g. a cell's effective dtype): no torch import needed
-        return s.dtype
-    import torch
-
-    from engines.reference.engine import pick_dtype
-    from engines.reference.gguf_io import dtype_name, file_dtype
-    return dtype_name(pick_dtype(s.dtype, torch.device(s.device), file_dtype(meta)))
+    """The reference engine's compute dtype for this file and device (its own rule)."""
+    return placement.compute_dtype(s.dtype, s.device.split(":")[0], placement.stored_type(meta))
 
 
 def model_bytes(meta: ModelMeta, s: PlanSettings) -> ModelBytes:
     if s.engine not in ENGINES:
         raise UserError(f"--engine {s.engine!r} has no memory model; use one of {', '.join(ENGINES)}.")
-    head_kv = int(meta.get("attention.head_count_kv") or meta.get("attention.head_count") or 0)
-    k_len = int(meta.get("attention.key_length") or 0)
-    v_len = int(meta.get("attention.value_length") or 0)
-    if not (head_kv and k_len and v_len):
-        n_embd, n_head = int(meta.get("embedding_length") or 0), int(meta.get("attention.head_count") or 1)
-        k_len = v_len = k_len or n_embd // n_head
+    _, head_kv, k_len, v_len = attention_shape(meta)
     if s.engine == "llama-cpp":
         wdt, kvdt = "file", "f16"                # llama.cpp's default cache type is f16 for K and V
     else:
@@ -89,11 +72,21 @@ def model_bytes(meta: ModelMeta, s: PlanSettings) -> ModelBytes:
     non_expert = 0
     for t in meta.tensors:
         if t.layer is not None:
-            experts[t.layer] += held_bytes(t, wdt)
+            experts[t.layer] += held_bytes(meta, t, wdt)
         else:
-            non_expert += held_bytes(t, wdt)
+            non_expert += held_bytes(meta, t, wdt)
     kv_per_cell = meta.n_layers * head_kv * (k_len + v_len) * DTYPE_BYTES[kvdt]
     return ModelBytes(non_expert, tuple(experts), kv_per_cell, wdt, kvdt)
+
+
+def attention_shape(meta: ModelMeta) -> tuple[int, int, int, int]:
+    """(q heads, kv heads, key length, value length). Without key_length/value_length (common in
+    llama/Mixtral-style files) a head is n_embd / n_head wide, as llama.cpp assumes."""
+    n_head = int(meta.get("attention.head_count") or 0)
+    head_kv = int(meta.get("attention.head_count_kv") or n_head)
+    default = int(meta.get("embedding_length") or 0) // max(n_head, 1)
+    return (n_head, head_kv, int(meta.get("attention.key_length") or default),
+            int(meta.get("attention.value_length") or default))
 
 
 def kv_cells(s: PlanSettings) -> int:
@@ -196,7 +189,8 @@ class Plan:
                 "settings": self.settings.__dict__, "weight_dtype": self.bytes.weight_dtype,
                 "kv_dtype": self.bytes.kv_dtype, "n_kv_cells": self.n_kv_cells,
                 "calibration": self.calibration.describe() if self.calibration else None,
-                "depths": [d.__dict__ | {"accel_bytes": d.accel_bytes, "host_bytes": d.host_bytes} for d in self.depths]}
+                "depths": [d.__dict__ | {"accel_bytes": d.accel_bytes,
+                                         "host_bytes": d.host_bytes} for d in self.depths]}
 
 
 def _depth(mb: ModelBytes, s: PlanSettings, n: int, compute: int, overhead: int = 0) -> DepthPlan:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engines.errors import UserError
-from harness.planning.plan import ENGINES, Plan, PlanSettings, make_plan
+from harness.planning.plan import Plan
 from harness.stats import stats
 from harness.units import GiB
 
@@ -191,16 +191,19 @@ def recommend_depth(plan: Plan, objective: str, vram: int, ram: int, margin: int
         figs = ", ".join(f"{k} {pick.measured[k]:,.1f} tok/s" for k in _kinds(objective) if k in pick.measured)
         why = f"n_cpu_moe={rec} is the fastest measured depth that fits for {objective} ({figs})"
         if len(tied) > 1:
-            why += (f"; it ties within {TIE_REL:.0%} with n_cpu_moe={', '.join(str(r.n_cpu_moe) for r in tied if r is not pick)}"
+            why += (f"; it ties within {TIE_REL:.0%} with "
+                    f"n_cpu_moe={', '.join(str(r.n_cpu_moe) for r in tied if r is not pick)}"
                     " and keeps the most VRAM free")
         for r in feasible:
             hi = r.predicted.get(objective, (NAN, NAN))[1]
-            if objective in pick.measured and not math.isnan(hi) and hi > pick.measured[objective] and r.n_cpu_moe < rec:
+            faster = objective in pick.measured and not math.isnan(hi) and hi > pick.measured[objective]
+            if faster and r.n_cpu_moe < rec:
                 why += f"; unmeasured n_cpu_moe={r.n_cpu_moe} might reach {hi:,.1f} tok/s, measure it"
                 break
     else:
         rec = min(r.n_cpu_moe for r in feasible)
-        why = (f"n_cpu_moe={rec} is the smallest depth that fits ({'no feasible depth was measured' if medians else 'nothing measured'}): "
+        why = (f"n_cpu_moe={rec} is the smallest depth that fits "
+               f"({'no feasible depth was measured' if medians else 'nothing measured'}): "
                "it keeps the most experts in VRAM, and each offloaded layer costs decode speed")
     return Recommendation(plan, objective, vram, ram, margin, rows, rec, why + ".", smallest, notes)
 
@@ -238,7 +241,8 @@ def table(rec: Recommendation) -> list[dict]:
 def to_json(rec: Recommendation) -> dict:
     s = rec.plan.settings
     return {"recommended": rec.recommended, "rationale": rec.rationale, "objective": rec.objective,
-            "engine": s.engine, "ctx": s.n_ctx, "vram_bytes": rec.vram, "ram_bytes": rec.ram, "margin_bytes": rec.margin,
+            "engine": s.engine, "ctx": s.n_ctx, "vram_bytes": rec.vram, "ram_bytes": rec.ram,
+                "margin_bytes": rec.margin,
             "smallest_vram_bytes": rec.smallest_vram, "model_fingerprint": rec.plan.meta.fingerprint,
             "calibration": rec.plan.calibration.describe() if rec.plan.calibration else None, "notes": rec.notes,
             "depths": [{"n_cpu_moe": r.n_cpu_moe, "accel_bytes": r.accel_bytes, "host_bytes": r.host_bytes,

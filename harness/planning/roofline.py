@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 
 from engines.gguf_meta import ModelMeta
-from harness.planning.plan import ModelBytes, PlanSettings, held_bytes, model_bytes
+from harness.planning.plan import ModelBytes, PlanSettings, attention_shape, held_bytes, model_bytes
 from harness.hw.probe import figure
 
 STREAM_MIN_BATCH = {"llama-cpp": 32, "reference": 128}
@@ -72,7 +72,7 @@ def _weights_read(meta: ModelMeta, mb: ModelBytes) -> int:
     names = {t.name for t in meta.tensors}
     embd = next(t for t in meta.tensors if t.name == "token_embd.weight") if "token_embd.weight" in names else None
     tied = "output.weight" not in names
-    return mb.non_expert - (held_bytes(embd, mb.weight_dtype) if embd is not None and not tied else 0)
+    return mb.non_expert - (held_bytes(meta, embd, mb.weight_dtype) if embd is not None and not tied else 0)
 
 
 def _cpu_flops(profile: dict, dtype: str, threads: int) -> float:
@@ -93,7 +93,7 @@ def bound(meta: ModelMeta, c: CellShape, n_prompt: int, n_gen: int, n_depth: int
     frac = meta.n_expert_used / meta.n_expert if meta.n_expert else 1.0
     N = c.n_cpu_moe
     ctx = n_depth + (n_prompt + n_gen) / 2
-    head, hd = int(meta.get("attention.head_count") or 0), int(meta.get("attention.key_length") or 0)
+    head, _, hd, _ = attention_shape(meta)
     host_bw = figure(profile, "host_read_gbps") * 1e9
     if n_gen:      # decode
         b_host = mb.experts(0, N) * frac
@@ -145,11 +145,11 @@ def annotate(cells, summary, profile: dict | None):
     from workloads.grammar import parse_workload
 
     metas: dict[str, ModelMeta | None] = {}
-    by_key = {(c["engine"], c["model_name"], int(c["n_cpu_moe"])): c for c in cells.to_dict("records")}
+    by_id = {c["cell_id"]: c for c in cells.to_dict("records")}     # each summary row names its own cell
     out = summary.copy()
     tps, kinds = [], []
     for r in summary.to_dict("records"):
-        c = by_key.get((r["engine"], r["model_name"], int(r["n_cpu_moe"])))
+        c = by_id.get(r["cell_id"])
         b, kind = float("nan"), ""
         if c is not None and isinstance(r.get("workload"), str) and r["workload"]:
             if c["model"] not in metas:

@@ -77,21 +77,13 @@ def parse_engine_spec(text: str) -> EngineSpec:
         else:
             extra[key] = _value(value)
     if not name.strip():
-        raise UserError(f"Engine spec {text!r} has no engine name; write NAME[@KEY=VALUE]..., e.g. llama-cpp@threads=1.")
+        raise UserError(f"Engine spec {text!r} has no engine name; "
+                        "write NAME[@KEY=VALUE]..., e.g. llama-cpp@threads=1.")
     return EngineSpec(text.strip(), name.strip(), overrides, extra)
 
 
 def arm_spec(spec: SweepSpec, es: EngineSpec) -> SweepSpec:
     return dataclasses.replace(spec, engines=[es.engine], extra=spec.extra | es.extra, **es.overrides)
-
-
-@dataclass
-class ArmCell(Cell):
-    arm: str = "A"
-
-    @property
-    def cell_id(self) -> str:       # A/llama-cpp/<fingerprint>/ncmoe0: two arms never share an id or a log
-        return f"{self.arm}/{Cell.cell_id.fget(self)}"
 
 
 def _steps(spec: SweepSpec) -> int:
@@ -107,7 +99,7 @@ def _flood(fd: int, n: int) -> None:
         pass
 
 
-def run_pair(cells: dict[str, ArmCell], specs: dict[str, SweepSpec], run_dir: Path, first: str = "A") -> dict[str, tuple]:
+def run_pair(cells: dict[str, Cell], specs: dict[str, SweepSpec], run_dir: Path, first: str = "A") -> dict[str, tuple]:
     """Run arms A and B of one model x depth turn by turn, `first` starting; returns
     {arm: (cell row, measurements, samples)}."""
     from harness.run.runner import run_cell
@@ -124,7 +116,8 @@ def run_pair(cells: dict[str, ArmCell], specs: dict[str, SweepSpec], run_dir: Pa
 
         def arm(a: str) -> None:
             try:
-                out[a] = run_cell(cells[a], specs[a], run_dir, run_dir.name, gate={"wait": fifo[a], "post": fifo[other[a]]})
+                out[a] = run_cell(cells[a], specs[a], run_dir, run_dir.name, gate={"wait": fifo[a],
+                                                                                   "post": fifo[other[a]]})
             finally:
                 _flood(fds[other[a]], _steps(specs[other[a]]))
 
@@ -193,12 +186,12 @@ def run_interleaved(spec: SweepSpec, results_dir: Path, resume: Path | None = No
     run_dir = new_run_dir(results_dir, spec)
     prepare_run_dir(run_dir)
     differs = _differs(cells["A"][0], cells["B"][0])
-    write_run_json(run_dir, spec, interleave={"A": es["A"].text, "B": es["B"].text, "differs": differs, "rounds": sizes})
+    write_run_json(run_dir, spec, interleave={"A": es["A"].text, "B": es["B"].text, "differs": differs,
+                                              "rounds": sizes})
     failed = 0
     pairs = list(zip(cells["A"], cells["B"]))
     for i, (ca, cb) in enumerate(pairs):
-        arm_cells = {a: ArmCell(**{f.name: getattr(c, f.name) for f in dataclasses.fields(Cell)}, arm=a)
-                     for a, c in (("A", ca), ("B", cb))}
+        arm_cells = {a: dataclasses.replace(c, arm=a) for a, c in (("A", ca), ("B", cb))}
         parts: dict[str, list] = {a: [] for a in ARMS}
         for k, reps in enumerate(sizes):
             out = run_pair(arm_cells, {a: dataclasses.replace(specs[a], repetitions=reps) for a in ARMS}, run_dir,

@@ -38,16 +38,6 @@ START_NODES = (f"start every node once with `ray start --head --resources '{{\"{
 FORWARD_ENV = ("MOEBENCH_ENGINES",)      # engine plugins; MOEBENCH_RAY_ENV=A,B forwards more variables
 
 
-@dataclass
-class NodeCell(Cell):
-    """A cell pinned to one node (--per-node); its id names the node, so --resume works per node."""
-    node: str = ""
-
-    @property
-    def cell_id(self) -> str:
-        return f"{Cell.cell_id.fget(self)}@{self.node}"
-
-
 def forwarded_env() -> dict[str, str]:
     extra = [x.strip() for x in os.environ.get("MOEBENCH_RAY_ENV", "").split(",") if x.strip()]
     return {k: os.environ[k] for k in (*FORWARD_ENV, *extra) if k in os.environ}
@@ -191,7 +181,8 @@ class Cluster:
         nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get(SLOT, 0) >= 1]
         if not nodes:
             ray.shutdown()
-            raise UserError(f"No node of the Ray cluster at --ray {spec.ray} offers the {SLOT} resource; {START_NODES}.")
+            raise UserError(f"No node of the Ray cluster at --ray {spec.ray} offers the {SLOT} resource; "
+                            f"{START_NODES}.")
         return cls(ray, spec.ray, nodes)
 
     def _jobs(self, spec: SweepSpec, cells: list[Cell]) -> list[tuple[Cell, dict, dict | None]]:
@@ -202,9 +193,8 @@ class Cluster:
             return [(c, {"num_gpus": gpus}, None) for c in cells]
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        labels = node_labels(self.nodes)
-        fields = [f.name for f in dataclasses.fields(Cell)]
-        return [(NodeCell(**{k: getattr(c, k) for k in fields}, node=labels[n["NodeID"]]),
+        labels = node_labels(self.nodes)      # a pinned cell's id names its node, so --resume works per node
+        return [(dataclasses.replace(c, node=labels[n["NodeID"]]),
                  {"num_gpus": 1 if n["Resources"].get("GPU", 0) >= 1 else 0,
                   "scheduling_strategy": NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)}, n)
                 for n in self.nodes for c in cells]

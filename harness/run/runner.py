@@ -17,7 +17,6 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
 
 from engines.errors import UserError
 from engines.registry import engine_class
@@ -25,7 +24,7 @@ from harness.hw import host
 from harness.store import results
 from engines.devices import Nvml
 from harness.run.sampler import NAN, Sampler, peaks
-from harness.run.spec import Cell, SweepSpec, expand
+from harness.run.spec import Cell, SweepSpec
 from workloads.grammar import parse_workloads
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +45,8 @@ def prepare_run_dir(run_dir: Path) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise UserError(f"Cannot write results to {str(run_dir)!r} ({e.strerror}); pass a writable --results-dir.") from None
+        raise UserError(f"Cannot write results to {str(run_dir)!r} ({e.strerror}); "
+                        "pass a writable --results-dir.") from None
 
 
 def log_path(run_dir: Path, cell_id: str) -> Path:
@@ -85,7 +85,7 @@ def cell_row(cell: Cell, run_id: str, status: str, error: str, loaded: dict | No
         "dtype": s.dtype, "mmap": s.mmap, "extra": s.extra, "effective_settings": info.get("settings", {}),
         "bytes_by_device": info.get("bytes_by_device", {}), "status": status, "error": error,
         "load_s": loaded.get("load_s", NAN), "wall_s": wall_s, "peak_rss_mib": rss, "peak_vram_mib": vram,
-        "host": os.uname().nodename,
+        "host": os.uname().nodename, "arm": cell.arm,
     }
 
 
@@ -173,7 +173,8 @@ def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str,
                      "n_prompt": w.n_prompt, "n_gen": w.n_gen, "n_depth": w.n_depth, "rep": m["rep"], "ns": m["ns"],
                      "tokens_per_s": w.n_tokens / (m["ns"] / 1e9), "engine_ms": m.get("engine_ms"),
                      "n_ctx": s.n_ctx, "n_batch": s.n_batch, "n_ubatch": s.n_ubatch, "threads": s.threads,
-                     "flash_attn": s.flash_attn, "peak_rss_mib": phase_peaks[wl][0], "peak_vram_mib": phase_peaks[wl][1]})
+                     "flash_attn": s.flash_attn, "peak_rss_mib": phase_peaks[wl][0],
+                         "peak_vram_mib": phase_peaks[wl][1]})
     sample_rows = [{"run_id": run_id, "cell_id": cell.cell_id, **x} for x in samples]
     return row, rows, sample_rows
 

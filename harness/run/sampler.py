@@ -4,7 +4,8 @@ Every `interval_ms`: RSS with its RssAnon/RssFile split, read straight from /pro
 summed over the tree; every `tree_every`-th sample a fresh list of the tree's processes (~1 ms);
 every `pss_every`-th sample PSS from smaps_rollup (it walks the page tables: ~13 ms for a 1.4 GB
 process). Cheap sampling matters: with psutil's children() and memory_full_info() on every
-sample (~3 ms), sampling at 50 ms slowed a 2-thread llama.cpp prefill by ~2.5 % on 2 cores. With NVML: the tree's per-process GPU memory
+sample (~3 ms), sampling at 50 ms slowed a 2-thread llama.cpp prefill by ~2.5 % on 2 cores. With NVML: the tree's
+per-process GPU memory
 and the device's used memory minus a baseline taken before the child started. Without an NVIDIA
 GPU the VRAM columns are NaN, not zero. The runner sets `phase` as the worker reports phases.
 """

@@ -9,6 +9,7 @@ from engines.base import EngineSettings, parse_depth
 from engines.errors import UserError
 from engines.gguf_meta import ModelMeta, read_meta
 from engines.registry import check_available
+from harness.store.results import CellKey
 from workloads.grammar import DEFAULT_WORKLOADS, parse_workloads
 from workloads.synth import resolve_model
 
@@ -49,10 +50,16 @@ class Cell:
     meta: ModelMeta
     depth: str          # as asked ("all", "4")
     settings: EngineSettings
+    arm: str = ""       # --interleave: "A" | "B"
+    node: str = ""      # --ray --per-node: the node it is pinned to
+
+    @property
+    def key(self) -> CellKey:
+        return CellKey(self.engine, self.meta.fingerprint, self.settings.n_cpu_moe, self.arm, self.node)
 
     @property
     def cell_id(self) -> str:
-        return f"{self.engine}/{self.meta.fingerprint}/ncmoe{self.settings.n_cpu_moe}"
+        return self.key.cell_id
 
 
 def expand(spec: SweepSpec) -> list[Cell]:

@@ -18,12 +18,10 @@ from pathlib import Path
 from engines.errors import UserError
 from harness.stats import stats
 from harness.store import results
+from harness.store.results import KEY_FIELDS, CellKey
 
 DB_NAME = "history.sqlite"
 DB_VERSION = 1
-# The full configuration key of a measured cell: two cells are comparable only if all of these agree.
-KEY_FIELDS = ("engine", "model_fingerprint", "n_cpu_moe", "workload", "n_ctx", "n_batch", "n_ubatch", "threads",
-              "flash_attn", "dtype", "device", "mmap", "extra")
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, path TEXT NOT NULL, started TEXT NOT NULL,
@@ -63,13 +61,12 @@ def load_cells(run_dir: str | Path) -> list[CellSamples]:
     """Every cell x workload of a run with its raw repetitions; failed cells appear with no samples."""
     run_dir = results.require_run(run_dir)
     run = json.loads((run_dir / "run.json").read_text())
-    interleaved = bool(run.get("interleave"))
     by_cell: dict[str, list[dict]] = {}
     for m in results.read_csv(run_dir, "measurements.csv"):
         by_cell.setdefault(m["cell_id"], []).append(m)
     out = []
     for c in results.read_csv(run_dir, "cells.csv"):
-        arm = c["cell_id"].split("/", 1)[0] if interleaved else ""
+        arm = CellKey.of(c).arm
         meas = by_cell.get(c["cell_id"], [])
         workloads = list(dict.fromkeys(m["workload"] for m in meas))
         if c["status"] != "ok":      # a failed cell still names its workloads, so compare can say it failed

@@ -9,7 +9,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 from harness.stats import stats
 
@@ -20,7 +22,7 @@ CELL_COLUMNS = [
     "n_layers", "n_moe_layers", "depth", "n_cpu_moe", "expert_host_fraction", "expert_bytes_host",
     "expert_bytes_total", "n_overridden_tensors", "n_ctx", "n_batch", "n_ubatch", "threads", "flash_attn",
     "device", "dtype", "mmap", "extra", "effective_settings", "bytes_by_device", "status", "error",
-    "load_s", "wall_s", "peak_rss_mib", "peak_vram_mib", "host", "node",
+    "load_s", "wall_s", "peak_rss_mib", "peak_vram_mib", "host", "node", "arm",
 ]
 MEASUREMENT_COLUMNS = [
     "run_id", "cell_id", "engine", "model_name", "model_fingerprint", "n_cpu_moe", "workload", "n_prompt",
@@ -32,7 +34,43 @@ SAMPLE_COLUMNS = [
     "vram_proc_mib", "vram_device_mib",
 ]
 FILES = {"cells.csv": CELL_COLUMNS, "measurements.csv": MEASUREMENT_COLUMNS, "samples.csv": SAMPLE_COLUMNS}
-CELL_KEY = ("engine", "model_fingerprint", "n_cpu_moe")
+# What makes two measured cells comparable (compare, history): the key plus every setting that changes speed.
+KEY_FIELDS = ("engine", "model_fingerprint", "n_cpu_moe", "workload", "n_ctx", "n_batch", "n_ubatch", "threads",
+              "flash_attn", "dtype", "device", "mmap", "extra")
+
+
+@dataclass(frozen=True)
+class CellKey:
+    """The identity of a cell: every writer makes its cell id from this and every reader matches cells by it.
+    Not the model's name (two files may share a GGUF general.name) and not the engine alone (the two arms of an
+    interleaved run may be the same engine)."""
+    engine: str
+    model_fingerprint: str
+    n_cpu_moe: int
+    arm: str = ""            # "A" | "B" in an interleaved run
+    node: str = ""           # --ray --per-node: the node that ran it
+
+    @property
+    def cell_id(self) -> str:
+        """`[A/]engine/<fingerprint>/ncmoeN[@node]`: unique within a run, stable across --resume."""
+        core = f"{self.engine}/{self.model_fingerprint}/ncmoe{self.n_cpu_moe}"
+        return (f"{self.arm}/" if self.arm else "") + core + (f"@{self.node}" if self.node else "")
+
+    @classmethod
+    def of(cls, row: Mapping) -> "CellKey":
+        """The key of a cells.csv row (a dict or a pandas row). Arm and node come from the cell id, which
+        every version of the files wrote the same way (the `node` column holds Ray's node id instead)."""
+        cell_id = str(row.get("cell_id", ""))
+        arm = cell_id[0] if cell_id[:2] in ("A/", "B/") else ""
+        node = cell_id.rpartition("@")[2] if "@" in cell_id else ""
+        return cls(str(row["engine"]), str(row["model_fingerprint"]), int(row["n_cpu_moe"]), arm, node)
+
+    def label(self, run: Mapping | None = None) -> str:
+        """How tables name the engine of this cell: the engine, or an interleaved arm as `A:<its engine spec>`."""
+        if not self.arm:
+            return self.engine
+        spec = ((run or {}).get("interleave") or {}).get(self.arm, self.engine)
+        return f"{self.arm}:{spec}"
 
 
 def _fmt(v) -> object:
@@ -86,7 +124,8 @@ def require_run(run_dir: str | Path) -> Path:
 
 
 def load_frames(run_dir: str | Path):
-    """(run, cells, measurements, samples) as a dict and three pandas DataFrames."""
+    """(run, cells, measurements, samples) as a dict and three pandas DataFrames. cells gains a `label`
+    column: the engine as tables name it (CellKey.label)."""
     import pandas as pd
 
     run_dir = require_run(run_dir)
@@ -95,19 +134,23 @@ def load_frames(run_dir: str | Path):
     for file, cols in FILES.items():
         path = run_dir / file
         frames.append(pd.read_csv(path) if path.exists() and path.stat().st_size else pd.DataFrame(columns=cols))
+    cells = frames[0]
+    cells["label"] = [CellKey.of(c).label(run) for c in cells.to_dict("records")]
     return (run, *frames)
 
 
 def summarize(cells, measurements):
-    """One row per cell x workload: tok/s statistics + the cell's peak memory and status.
+    """One row per cell x workload (cells from load_frames): cell_id, `engine` = the cell's label, tok/s
+    statistics, the cell's peak memory and status.
     Failed cells appear with their status and no throughput, never as a silent gap."""
     import pandas as pd
 
     rows = []
     for _, c in cells.iterrows():
         m = measurements[measurements["cell_id"] == c["cell_id"]]
-        base = {"engine": c["engine"], "model_name": c["model_name"], "n_cpu_moe": c["n_cpu_moe"],
-                "depth": c["depth"], "status": c["status"], "peak_rss_mib": c["peak_rss_mib"],
+        base = {"cell_id": c["cell_id"], "engine": c["label"], "model_name": c["model_name"],
+                "model_fingerprint": c["model_fingerprint"], "n_cpu_moe": c["n_cpu_moe"], "depth": c["depth"],
+                    "status": c["status"], "peak_rss_mib": c["peak_rss_mib"],
                 "peak_vram_mib": c["peak_vram_mib"], "error": c["error"]}
         if m.empty:
             rows.append(base | {"workload": "", **{f"tps_{k}": float("nan") for k in stats([])}})

@@ -18,7 +18,7 @@ Compiled once (g++ and ninja needed, ~30 s) by torch.utils.cpp_extension.load_in
 cache_dir()/kernels/torch-VERSION; load_inline rebuilds when the source
 (bf16_decode.cpp, beside this file) changes.
 
-Quantized weights (quant.cpp, quant_kernels.h; quant_kernels()): matvec, matmul, dequant and the
+Quantized weights (quant.cpp, quant_types.h, quant_simd.h; quant_kernels()): matvec, matmul, dequant and the
 fused routed-expert step straight from GGUF bytes (QTensor) for F32, F16, BF16, Q8_0, Q4_0, MXFP4,
 Q4_K, Q5_K, Q6_K and IQ4_XS. Built once per ISA variant, each in its own directory and under its own
 extension name: "avx2" (AVX2 + FMA + F16C, the baseline) and "avx512" (+ AVX512 F/BW/VL/DQ/VNNI/BF16:
@@ -95,6 +95,12 @@ def hugepage_copy(t: torch.Tensor) -> torch.Tensor:
     return buf[off:off + n].view(t.dtype).view(t.shape).copy_(t)
 
 
+# The architecture features (engines.reference.archs.FEATURES) the fused decode steps implement; a model
+# with any other feature runs its decode through the model's own ops.
+FUSED_FEATURES = frozenset({"rope_neox", "qk_norm_head", "qk_norm_full", "qkv_bias", "norm_topk",
+                            "shared_expert_gated"})
+
+
 class DecodeKernels:
     """The extension as model.py uses it on a bf16 CPU: drop-ins for F.rms_norm and F.linear that send
     single rows to the kernels (everything else to ATen), and single-token steps fused into one call
@@ -123,12 +129,12 @@ class DecodeKernels:
                   x: torch.Tensor, pos: int) -> torch.Tensor:
         """x: (1, D) f32 residual -> (1, D) f32, writing K/V at pos."""
         return self.ext.attn_decode(x.contiguous(), lw.attn_norm, cfg.rms_eps, lw.wqkv, lw.bqkv, lw.q_norm, lw.k_norm,
-                                    Kc, Vc, cos, sin, pos, cfg.spec.rope_neox, cfg.n_head, lw.wo)
+                                    Kc, Vc, cos, sin, pos, cfg.has("rope_neox"), cfg.n_head, lw.wo)
 
     def norm_route(self, cfg, lw, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: (1, D) f32 residual -> h (1, D) f32 normed, w (1, k) f32, ids (1, k)."""
         return tuple(self.ext.route_decode(x.contiguous(), lw.ffn_norm, cfg.rms_eps, lw.router, cfg.n_expert_used,
-                                           cfg.spec.norm_topk, cfg.expert_weights_scale))
+                                           cfg.has("norm_topk"), cfg.expert_weights_scale))
 
 
 QUANT_SOURCE = Path(__file__).with_name("quant.cpp")
@@ -167,7 +173,7 @@ def pick_isa(flags: frozenset[str] | None = None) -> str:
 @functools.cache
 def load_quant(isa: str):
     """The compiled quant extension of variant `isa`, or the reason it is unavailable (str). Compiles
-    once (~1 min; ninja rebuilds when quant.cpp or quant_kernels.h change)."""
+    once (~1 min; ninja rebuilds when quant.cpp or the headers beside it change)."""
     if missing := missing_flags(isa):
         return f"the CPU lacks {', '.join(missing)}, which the {isa} kernels need"
     from torch.utils.cpp_extension import load
