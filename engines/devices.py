@@ -74,3 +74,30 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         return frozenset()
     return frozenset(w for line in text.splitlines() if line.startswith("flags") for w in line.split(":", 1)[1].split())
+
+
+# CPU kernel variants (engines.reference.kernels) -> the /proc/cpuinfo flags each needs, widest first
+CPU_ISAS: dict[str, tuple[str, ...]] = {
+    "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"),
+    "avx2": ("avx2", "fma", "f16c"),
+}
+
+
+def cpu_isa(flags: frozenset[str] | None = None) -> str:
+    """The CPU kernel variant for this process: MOEBENCH_ISA=avx2|avx512 as asked, or (auto, the default)
+    the widest one the CPU runs. Raises ValueError saying what is missing."""
+    import os
+
+    have = cpu_flags() if flags is None else flags
+    missing = {isa: [f for f in need if f not in have] for isa, need in CPU_ISAS.items()}
+    want = os.environ.get("MOEBENCH_ISA", "auto").strip().lower() or "auto"
+    if want != "auto":
+        if want not in CPU_ISAS:
+            raise ValueError(f"MOEBENCH_ISA={want} is not a kernel variant; use auto, {', '.join(CPU_ISAS)}")
+        if missing[want]:
+            raise ValueError(f"MOEBENCH_ISA={want}, but the CPU lacks {', '.join(missing[want])}")
+        return want
+    for isa in CPU_ISAS:
+        if not missing[isa]:
+            return isa
+    raise ValueError(f"the CPU kernels need at least AVX2, FMA and F16C; the CPU lacks {', '.join(missing['avx2'])}")

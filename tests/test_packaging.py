@@ -1,4 +1,5 @@
 """A normal (non-editable) install: the wheel carries its data files and the installed commands find them."""
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -7,8 +8,12 @@ from tests.conftest import ROOT
 
 
 def test_wheel_ships_the_published_tables_and_the_kernel_sources(tmp_path):
+    # build from a copy: setuptools writes build/ and *.egg-info beside the sources it builds
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "results", "reports",
+                                                             "__pycache__", "*.egg-info", ".pytest_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), str(ROOT)], check=True, capture_output=True)
+                    str(tmp_path), str(src)], check=True, capture_output=True)
     wheel = next(tmp_path.glob("moebench-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "harness/analysis/data/tensorsharp_moe_cpu_offload.csv" in names

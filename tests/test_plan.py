@@ -38,8 +38,9 @@ def test_plan_arithmetic_on_tiny_by_hand(tiny):
 @pytest.fixture(scope="module")
 def mib_model(tmp_path_factory):
     """f16, expert tensors of exactly 2 MiB each, so llama.cpp's per-tensor MiB log lines are exact."""
-    from workloads.synth import Preset, synthesize
-    return synthesize(Preset("qwen3moe", 4, 256, 4, 2, 64, 8, 2, 512, 1024, dtype="f16"),
+    from engines.reference.archs import Hparams, Preset
+    from workloads.synth import synthesize
+    return synthesize(Preset(Hparams("qwen3moe", 4, 256, 4, 2, 64, 8, 2, 512, 1024), dtype="f16"),
                       tmp_path_factory.mktemp("m") / "mib.gguf")
 
 

@@ -18,26 +18,26 @@ import pytest
 
 from workloads.quantize import (FTYPES, GGML_TYPES, allows_quantization, quantize, requires_imatrix, tensor_type,
                                 tensor_types)
-from workloads.synth import PRESETS, Preset, synthesize, tensor_shapes
+from workloads.synth import PRESETS, Preset, preset, synthesize, tensor_shapes, write_metadata
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
 TINY = PRESETS["tiny"]
 MODELS: dict[str, Preset] = {
     # 8 layers, 8 experts, n_gqa 2, every row a multiple of 256
-    "moe8": replace(TINY, n_layers=8, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=8, n_ff_exp=256,
+    "moe8": preset(TINY, n_layers=8, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=8, n_ff_exp=256,
                     n_vocab=512),
     # qwen2moe: shared experts, q/k/v biases, n_gqa 4, 4 experts
-    "gqa4": replace(TINY, arch="qwen2moe", n_layers=4, n_embd=256, n_head=8, n_head_kv=2, head_dim=32, n_expert=4,
+    "gqa4": preset(TINY, arch="qwen2moe", n_layers=4, n_embd=256, n_head=8, n_head_kv=2, head_dim=32, n_expert=4,
                     n_ff_exp=256, n_ff_shexp=256, n_vocab=512),
     # rows of 160 (not whole 256-blocks) and 48 (not even whole 32-blocks) values
-    "odd": replace(TINY, n_layers=4, n_embd=160, n_head=4, n_head_kv=2, head_dim=40, n_expert=4, n_ff_exp=48,
+    "odd": preset(TINY, n_layers=4, n_embd=160, n_head=4, n_head_kv=2, head_dim=40, n_expert=4, n_ff_exp=48,
                    n_vocab=320),
     # no output.weight: token_embd.weight takes output's rule
-    "tied": replace(TINY, n_layers=4, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=4, n_ff_exp=256,
+    "tied": preset(TINY, n_layers=4, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=4, n_ff_exp=256,
                     n_vocab=512),
     # llama (Mixtral-style) with 80 layers and GQA: llama.cpp calls it a 70B, attn_v gets Q5_K instead of Q4_K
-    "70b": replace(TINY, arch="llama", n_layers=80, n_embd=256, n_head=4, n_head_kv=1, head_dim=16, n_expert=2,
+    "70b": preset(TINY, arch="llama", n_layers=80, n_embd=256, n_head=4, n_head_kv=1, head_dim=16, n_expert=2,
                    n_expert_used=1, n_ff_exp=32, n_vocab=256),
 }
 CASES = ([("moe8", f) for f in FTYPES] + [("gqa4", f) for f in ("q4_0", "q4_k_m", "q6_k", "iq4_xs", "mxfp4")]
@@ -47,21 +47,8 @@ CASES = ([("moe8", f) for f in FTYPES] + [("gqa4", f) for f in ("q4_0", "q4_k_m"
 
 def _write_tied(p: Preset, path: Path) -> Path:
     """A qwen3moe f32 GGUF without output.weight (llama.cpp then ties the output to token_embd)."""
-    w = gguf.GGUFWriter(path, p.arch)
-    w.add_block_count(p.n_layers)
-    w.add_context_length(p.n_ctx_train)
-    w.add_embedding_length(p.n_embd)
-    w.add_feed_forward_length(p.n_ff_exp)
-    w.add_head_count(p.n_head)
-    w.add_head_count_kv(p.n_head_kv)
-    w.add_key_length(p.head_dim)
-    w.add_value_length(p.head_dim)
-    w.add_layer_norm_rms_eps(p.rms_eps)
-    w.add_expert_count(p.n_expert)
-    w.add_expert_used_count(p.n_expert_used)
-    w.add_expert_feed_forward_length(p.n_ff_exp)
-    w.add_vocab_size(p.n_vocab)
-    w.add_tokenizer_model("no_vocab")
+    w = gguf.GGUFWriter(path, p.h.arch)
+    write_metadata(w, p.h, "tied")
     for i, (name, shape) in enumerate(tensor_shapes(p).items()):
         if name != "output.weight":
             w.add_tensor(name, np.random.default_rng([7, i]).standard_normal(shape, dtype=np.float32) * 0.05)
@@ -93,8 +80,9 @@ def test_types_and_bytes_match_llama_cpp(models, model, ftype):
     p = MODELS[model]
     src = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(models[model]).tensors}
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in gguf.GGUFReader(models[model]).tensors}
-    ours = tensor_types(ftype, shapes, p.n_layers, p.arch, n_expert=p.n_expert, n_head=p.n_head,
-                        n_head_kv=p.n_head_kv)
+    h = p.h
+    ours = tensor_types(ftype, shapes, h.n_layers, h.arch, n_expert=h.n_expert, n_head=h.n_head,
+                        n_head_kv=h.n_head_kv)
     out = gguf.GGUFReader(_llama_quantize(models[model], ftype))
     assert {t.name for t in out.tensors} == set(shapes)
     wrong_type, wrong_bytes = [], []

@@ -9,19 +9,20 @@ import torch
 from engines.base import EngineSettings
 from engines.errors import UserError
 from engines.reference.engine import ReferenceEngine
-from workloads.synth import PRESETS, _metadata, synthesize, tensor_shapes
+from workloads.synth import PRESETS, preset, synthesize, tensor_shapes, write_metadata
 
 # llama.cpp keeps its KV cache in f16, so its f32-file logits differ from ours by ~2e-3 (logits are
 # O(4) here); 2e-2 is ten times that and still far below the gap between the top two tokens.
 LOGIT_ATOL = 2e-2
 TINY = PRESETS["tiny"]       # qwen3moe, 4 layers, n_embd 128, 8 experts top-2, f32
+H = TINY.h
 ARCH_PRESETS = {
     "qwen3moe": TINY,
-    "qwen2moe": replace(TINY, arch="qwen2moe", n_ff_shexp=96),
-    "olmoe": replace(TINY, arch="olmoe", n_head_kv=TINY.n_head),   # llama.cpp: no GQA for olmoe
-    "llama": replace(TINY, arch="llama", rope_base=10000.0),       # Mixtral-style llama with experts
+    "qwen2moe": preset(TINY, arch="qwen2moe", n_ff_shexp=96),
+    "olmoe": preset(TINY, arch="olmoe", n_head_kv=H.n_head),   # llama.cpp: no GQA for olmoe
+    "llama": preset(TINY, arch="llama", rope_base=10000.0),       # Mixtral-style llama with experts
 }
-PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, TINY.n_vocab, 40)]
+PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, H.n_vocab, 40)]
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +55,13 @@ def test_logits_match_llama_cpp_at_depth_0_and_all(models, arch):
     """Every position's logits within LOGIT_ATOL of llama.cpp's and the same top-1, at depth 0 and all.
     n_ubatch 16 < 40 tokens, so later ubatches exercise the KV cache and the offset causal mask."""
     ref = llama_cpp_logits(models[arch], PROMPT)
-    for depth in (0, TINY.n_layers):
+    for depth in (0, H.n_layers):
         got, e = run_ref(models[arch], depth)
-        assert got.shape == ref.shape == (len(PROMPT), TINY.n_vocab)
+        assert got.shape == ref.shape == (len(PROMPT), H.n_vocab)
         err = np.abs(got - ref).max()
         assert err < LOGIT_ATOL, f"{arch} depth {depth}: max |logit diff| {err}"
         assert (got.argmax(-1) == ref.argmax(-1)).all()
-        assert e.info().expert_host_fraction == depth / TINY.n_layers
+        assert e.info().expert_host_fraction == depth / H.n_layers
 
 
 def greedy(path: Path, depth: int, n: int = 32) -> list[int]:
@@ -75,7 +76,7 @@ def greedy(path: Path, depth: int, n: int = 32) -> list[int]:
 
 
 def test_greedy_continuation_identical_at_depths_0_half_all(models):
-    seqs = {d: greedy(models["qwen3moe"], d) for d in (0, TINY.n_layers // 2, TINY.n_layers)}
+    seqs = {d: greedy(models["qwen3moe"], d) for d in (0, H.n_layers // 2, H.n_layers)}
     assert len(seqs[0]) == 32 and len(set(seqs[0])) > 1          # a real continuation, not one token
     assert seqs[0] == seqs[2] == seqs[4]
 
@@ -92,17 +93,17 @@ def test_decode_matches_prefill_logits(models):
 
 
 def test_host_and_stream_paths_give_the_same_output(models):
-    host, eh = run_ref(models["qwen3moe"], TINY.n_layers, moe_path="host")
-    stream, es = run_ref(models["qwen3moe"], TINY.n_layers, moe_path="stream")
+    host, eh = run_ref(models["qwen3moe"], H.n_layers, moe_path="host")
+    stream, es = run_ref(models["qwen3moe"], H.n_layers, moe_path="stream")
     ch, cs = eh.counters(), es.counters()
-    assert ch["moe_calls_host"] == 3 * TINY.n_layers and ch["moe_calls_stream"] == 0   # 3 ubatches x 4 layers
-    assert cs["moe_calls_stream"] == 3 * TINY.n_layers and cs["moe_calls_host"] == 0
+    assert ch["moe_calls_host"] == 3 * H.n_layers and ch["moe_calls_stream"] == 0   # 3 ubatches x 4 layers
+    assert cs["moe_calls_stream"] == 3 * H.n_layers and cs["moe_calls_host"] == 0
     # only the routed experts travel: at most n_expert per layer and ubatch, bytes match the expert size
-    assert 0 < cs["streamed_experts"] <= 3 * TINY.n_layers * TINY.n_expert
-    assert cs["streamed_bytes"] == cs["streamed_experts"] * 3 * TINY.n_ff_exp * TINY.n_embd * 4
+    assert 0 < cs["streamed_experts"] <= 3 * H.n_layers * H.n_expert
+    assert cs["streamed_bytes"] == cs["streamed_experts"] * 3 * H.n_ff_exp * H.n_embd * 4
     np.testing.assert_allclose(stream, host, atol=1e-5)
     assert es.info().bytes_by_device["accelerator"] - eh.info().bytes_by_device["accelerator"] == \
-        TINY.n_expert * 3 * TINY.n_ff_exp * TINY.n_embd * 4          # one staging buffer = one layer's experts
+        H.n_expert * 3 * H.n_ff_exp * H.n_embd * 4          # one staging buffer = one layer's experts
 
 
 def test_auto_path_switches_at_stream_min_batch(models):
@@ -114,7 +115,7 @@ def test_auto_path_switches_at_stream_min_batch(models):
 def test_info_reports_placement_and_bytes(models):
     _, e = run_ref(models["qwen3moe"], 1)
     info = e.info()
-    layer_experts = 3 * TINY.n_expert * TINY.n_ff_exp * TINY.n_embd * 4
+    layer_experts = 3 * H.n_expert * H.n_ff_exp * H.n_embd * 4
     assert info.engine == "reference" and info.settings["n_cpu_moe"] == 1 and info.settings["dtype"] == "f32"
     assert info.expert_bytes_host == layer_experts and info.expert_bytes_total == 4 * layer_experts
     assert info.n_overridden_tensors == 3
@@ -122,7 +123,7 @@ def test_info_reports_placement_and_bytes(models):
     held, stored = info.extra["held_bytes"], info.extra["file_bytes"]
     assert held["experts"] == stored["experts"] == {"host": layer_experts, "accelerator": 3 * layer_experts}
     assert held["non_experts"]["accelerator"] == stored["non_experts"]["accelerator"]   # f32 file, f32 compute
-    kv = 2 * TINY.n_layers * TINY.n_head_kv * 256 * TINY.head_dim * 4
+    kv = 2 * H.n_layers * H.n_head_kv * 256 * H.head_dim * 4
     assert held["kv_cache"] == {"accelerator": kv}
     # CPU-only: the host experts get all the run's threads (TensorSharp's cpus/2 cap is for a GPU run)
     assert info.settings["extra"]["cpu_moe_threads"] == 2 and info.extra["cpu_moe_threads_rule"].startswith("threads")
@@ -153,8 +154,8 @@ def test_bf16_compute_stays_close_to_f32(models):
 def write_gguf(path: Path, p, arrays: dict[str, np.ndarray], quant: dict[str, tuple[np.ndarray, object]]) -> Path:
     """A GGUF with p's metadata: float arrays as F32, `quant` entries as raw (bytes, type) tensors."""
     import gguf
-    w = gguf.GGUFWriter(path, p.arch)
-    _metadata(w, p, "ref-test")
+    w = gguf.GGUFWriter(path, p.h.arch)
+    write_metadata(w, p.h, "ref-test")
     for name, shape in tensor_shapes(p).items():
         if name in quant:
             data, qt = quant[name]
@@ -182,12 +183,14 @@ def random_q4_k(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
-def test_quantized_experts_dequantize_like_gguf_and_run(tmp_path, qtype):
-    """Expert tensors stored quantized load as gguf.quants.dequantize says, and the model then gives the
-    same logits as an F32 file holding exactly those dequantized values."""
+def test_quantized_experts_are_held_as_stored(tmp_path, qtype):
+    """Expert tensors stored quantized stay in their stored bytes (held == file bytes, no expanded copy)
+    and give the logits of an F32 file holding exactly their dequantized values, up to the activations'
+    rounding: one-token and small-batch products quantize them to int8 per block, as ggml's do (which
+    moves a few positions' logits by a few tenths here, llama.cpp's as much as ours)."""
     import gguf
     qt = gguf.GGMLQuantizationType[qtype]
-    p = replace(TINY, n_embd=256, n_head=4, head_dim=64, n_ff_exp=256, n_layers=2)   # K-quant rows of 256
+    p = preset(TINY, n_embd=256, n_head=4, head_dim=64, n_ff_exp=256, n_layers=2)   # K-quant rows of 256
     rng = np.random.default_rng(3)
     arrays = {n: (rng.standard_normal(s) * (s[-1] ** -0.5 if len(s) > 1 else 0.05) + (len(s) == 1)).astype(np.float32)
               for n, s in tensor_shapes(p).items()}
@@ -196,44 +199,39 @@ def test_quantized_experts_dequantize_like_gguf_and_run(tmp_path, qtype):
     qpath = write_gguf(tmp_path / "q.gguf", p, arrays, quant)
     deq = {n: gguf.quants.dequantize(b, qt) for n, (b, _) in quant.items()}
     fpath = write_gguf(tmp_path / "f.gguf", p, arrays | deq, {})
-
-    from engines.gguf_meta import read_meta
-    from engines.reference.gguf_io import GGUFTensors
-    src = GGUFTensors(read_meta(qpath))
-    for n, ref in deq.items():
-        assert src.entries[n].ggml_type == qtype
-        np.testing.assert_array_equal(src.load(n, torch.float32).numpy(), ref)
     tokens = PROMPT[:20]
     q_logits, e = run_ref(qpath, 1, tokens, dtype="f32")
     f_logits, _ = run_ref(fpath, 1, tokens, dtype="f32")
-    assert np.isfinite(q_logits).all()
-    np.testing.assert_allclose(q_logits, f_logits, atol=1e-4)
+    diff = np.abs(q_logits - f_logits)      # logits O(4); llama.cpp on the same files: max 0.045 (Q8_0), 0.30 (Q4_K)
+    assert np.isfinite(q_logits).all() and np.median(diff) < 0.01 and diff.max() < 0.5, (np.median(diff), diff.max())
+    assert (q_logits.argmax(-1) == f_logits.argmax(-1)).mean() >= 0.9
     info = e.info().extra
-    assert info["file_bytes"]["experts"]["host"] < info["held_bytes"]["experts"]["host"]   # dequantized to f32
+    assert info["file_bytes"]["experts"] == info["held_bytes"]["experts"]          # as stored, host and accelerator
+    assert info["held_bytes"]["experts"]["host"] == sum(b.nbytes for n, (b, _) in quant.items() if n.startswith("blk.0."))
 
 
 # --- bad input -----------------------------------------------------------------------------------------
 
 def test_unsupported_architecture_is_a_user_error(tmp_path):
     import gguf
-    p = replace(TINY, n_layers=1)
+    p = preset(TINY, n_layers=1)
     w = gguf.GGUFWriter(tmp_path / "x.gguf", "phimoe")      # an MoE file of an architecture we do not run
-    _metadata(w, p, "x")
+    write_metadata(w, p.h, "x")
     for name, shape in tensor_shapes(p).items():
         w.add_tensor(name, np.zeros(shape, np.float32))
     finish(w)
     with pytest.raises(UserError, match="architecture 'phimoe'.*qwen3moe, qwen2moe, olmoe, llama"):
         ReferenceEngine().load(tmp_path / "x.gguf", EngineSettings(n_ctx=32))
     w = gguf.GGUFWriter(tmp_path / "dense.gguf", "llama")   # a supported arch, but no experts
-    _metadata(w, p, "dense")
-    w.add_tensor("token_embd.weight", np.zeros((p.n_vocab, p.n_embd), np.float32))
+    write_metadata(w, replace(p.h, arch="llama"), "dense")
+    w.add_tensor("token_embd.weight", np.zeros((p.h.n_vocab, p.h.n_embd), np.float32))
     finish(w)
     with pytest.raises(UserError, match="without routed experts.*qwen3moe, qwen2moe, olmoe, llama"):
         ReferenceEngine().load(tmp_path / "dense.gguf", EngineSettings(n_ctx=32))
 
 
 def test_shape_mismatch_and_bad_settings_are_user_errors(tmp_path, models):
-    arrays = {n: np.zeros(s, np.float32) for n, s in tensor_shapes(replace(TINY, n_ff_exp=32)).items()}
+    arrays = {n: np.zeros(s, np.float32) for n, s in tensor_shapes(preset(TINY, n_ff_exp=32)).items()}
     bad = write_gguf(tmp_path / "bad.gguf", TINY, arrays, {})      # metadata says ff 64, tensors hold 32
     with pytest.raises(UserError, match="ffn_gate_exps.weight.*shape"):
         ReferenceEngine().load(bad, EngineSettings(n_ctx=32))

@@ -53,15 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
-# ggml type name -> (ggml type id, values per block, bytes per block); ggml.h, ggml-common.h.
-# The ten types moebench reads plus the 32-value types llama.cpp falls back to (and Q4_1).
-GGML_TYPES: dict[str, tuple[int, int, int]] = {
-    "F32": (0, 1, 4), "F16": (1, 1, 2), "BF16": (30, 1, 2),
-    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
-    "IQ4_NL": (20, 32, 18), "MXFP4": (39, 32, 17),
-    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "IQ4_XS": (23, 256, 136),
-}
-
+from engines.gguf_meta import GGML_TYPES
 
 @dataclass(frozen=True)
 class FileType:

@@ -23,10 +23,8 @@ import torch
 
 from engines.reference.qtensor import TYPES, QTensor
 
-# ggml type name -> (values per block, bytes per block). TYPES' ten types plus the 32-value types that
-# llama.cpp's quantizer falls back to when a row is not whole 256-blocks (Q5_0, Q5_1, IQ4_NL) and Q4_1.
-BLOCKS: dict[str, tuple[int, int]] = {name: (blk, size) for name, (_, blk, size) in TYPES.items()} | {
-    "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "IQ4_NL": (32, 18)}
+# ggml type name -> (values per block, bytes per block), for every type of engines.gguf_meta.GGML_TYPES
+BLOCKS: dict[str, tuple[int, int]] = {name: (blk, size) for name, (_, blk, size) in TYPES.items()}
 
 # Lookup tables (ggml-common.h) and shift amounts, as tensors created once per device.
 _TABLES: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {

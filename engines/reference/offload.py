@@ -1,33 +1,36 @@
 """Routed-expert placement (`--n-cpu-moe N`) and the executor that runs a layer's experts.
 
-Placement: the stacked expert tensors of layers 0..N-1 live in host RAM (page-locked when CUDA is
-present); all other layers' experts live on the accelerator. Each layer's experts are computed by
-grouping tokens per expert: sort the (token, slot) pairs by expert id, one matmul chain per used
-expert, weighted index_add back. Weights are never gathered per token.
+Placement: the expert stacks of layers 0..N-1 live in host RAM (page-locked when CUDA is present); all
+other layers' experts live on the accelerator. Stacks stay as the file stores them (QTensors). A layer's
+experts are computed by grouping tokens per expert: sort the (token, slot) pairs by expert id, one
+product chain per used expert, weighted index_add back. Weights are never gathered per token.
 
 Paths for an offloaded layer (TensorSharp's scheme):
-  host    batch < stream_min_batch (decode, small batches): the experts run on the CPU where they
-          live, with a capped thread count (host_threads); activations travel, weights do not.
-  stream  larger batches: only the experts the batch routes to are copied into a reused staging
-          buffer on the accelerator (non_blocking from pinned memory, on a side stream) and run there.
-          Prefetch (CUDA only): the next offloaded layer's routing is unknown until its router runs,
-          so while layer i computes, the whole expert set of layer i+1 is copied into the second
-          staging buffer. This is sound because a stream-path batch routes n*k >= 128*k (token,
-          expert) pairs, and the chance that an expert stays unused, (1 - k/E)^n, is negligible
-          (qwen3-30b: (1-8/128)^128 ~ 3e-4): the prefetch copies what the routed set would be anyway.
+  host    batch < stream_min_batch (decode, small batches): the experts run on the CPU where they live,
+          with a capped thread count (host_threads); activations travel, weights do not.
+  stream  larger batches: only the stored bytes of the experts the batch routes to are copied into a
+          reused staging buffer on the accelerator (non_blocking from pinned memory, on a side stream) and
+          run there (dequantized per expert into a scratch on CUDA). Prefetch (CUDA only): the next
+          offloaded layer's routing is unknown until its router runs, so while layer i computes, the whole
+          expert set of layer i+1 is copied into the second staging buffer. This is sound because a
+          stream-path batch routes n*k >= 128*k (token, expert) pairs, and the chance that an expert stays
+          unused, (1 - k/E)^n, is negligible (qwen3-30b: (1-8/128)^128 ~ 3e-4).
 Without CUDA both paths run on the CPU (the staging buffer is a CPU tensor), so each can be forced
 (path="host"|"stream") and checked to give the same output as the other.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from engines.reference.qtensor import QTensor
+
 PATHS = ("auto", "host", "stream")
+ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
 
 
 @dataclass(frozen=True)
@@ -35,18 +38,83 @@ class OffloadConfig:
     n_cpu_moe: int              # layers 0..n_cpu_moe-1 keep their routed experts in host RAM
     path: str = "auto"          # auto | host | stream (forces the path of offloaded layers)
     stream_min_batch: int = 128  # auto: batches of at least this many tokens take the stream path
-    host_threads: int = 1       # CPU threads for host-path expert matmuls (engine.py picks the default)
+    host_threads: int = 1       # CPU threads for host-path expert products (engine.py picks the default)
     threads: int = 1            # threads for everything else
 
 
-@dataclass
-class ExpertLayer:
-    gate_up: torch.Tensor       # (E, 2*ff, D) gate rows then up rows: one matmul per expert
-    down: torch.Tensor          # (E, D, ff)
-    on_host: bool
+@dataclass(frozen=True)
+class Activation:
+    """The gated activation of the experts: silu(g) u, ggml's tanh-GELU(g) u, or gpt-oss's clamped
+    SwiGLU: g = min(g, limit), u = clamp(u, -limit, limit), g sigmoid(alpha g) (u + 1)."""
+    name: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
 
-    def __post_init__(self):
-        self.experts = expert_views(self.gate_up, self.down)
+    def __call__(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        if self.name == "silu":
+            return F.silu(g) * u
+        if self.name == "gelu":
+            return F.gelu(g, approximate="tanh") * u
+        g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
+        return g * torch.sigmoid(self.alpha * g) * (u + 1)
+
+
+@dataclass
+class ExpertStack:
+    """One layer's routed experts as stored: gate and up (E, ff, D), or up None and gate the fused gate_up
+    (E, 2 ff, D) (gate rows first), down (E, D, ff); optional f32 biases (E, ff), (E, ff), (E, D) and a
+    per-expert output scale (E,)."""
+    gate: QTensor
+    up: QTensor | None
+    down: QTensor
+    gate_b: torch.Tensor | None = None
+    up_b: torch.Tensor | None = None
+    down_b: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    on_host: bool = False
+
+    @property
+    def matrices(self) -> list[QTensor]:
+        return [m for m in (self.gate, self.up, self.down) if m is not None]
+
+    @property
+    def expert_bytes(self) -> int:
+        """Stored bytes of one expert (all its matrices)."""
+        return sum(m.matrix_bytes for m in self.matrices)
+
+    def biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        return self.gate_b, self.up_b, self.down_b
+
+
+def expert_ffn(linear: Callable, s: ExpertStack, e: int, x: torch.Tensor, act: Activation) -> torch.Tensor:
+    """Expert e of stack s on x (c, D) f32 -> (c, D) f32 (bias of down added before any routing weight)."""
+    if s.up is None:
+        g, u = linear(x, s.gate.expert(e)).chunk(2, dim=-1)             # (c, ff) each
+    else:
+        g, u = linear(x, s.gate.expert(e)), linear(x, s.up.expert(e))
+    if s.gate_b is not None:
+        g, u = g + s.gate_b[e], u + s.up_b[e]
+    y = linear(act(g, u), s.down.expert(e))                              # (c, D)
+    return y if s.down_b is None else y + s.down_b[e]
+
+
+def grouped_experts(linear: Callable, s: ExpertStack, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                    act: Activation) -> torch.Tensor:
+    """x: (n, D) f32; ids: (n, k) expert of each slot; w: (n, k) f32 -> (n, D) f32 = sum_j w_j expert_j(x)."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)                                       # (n*k,) expert of each (token, slot)
+    order = torch.argsort(flat, stable=True)                     # (n*k,) grouped by expert
+    counts = torch.bincount(flat, minlength=s.gate.shape[0]).tolist()   # one host sync per layer
+    tok = order // k                                             # (n*k,) token of each grouped row
+    xs = x[tok]                                                  # (n*k, D) activations, grouped
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            ys[start:start + c] = expert_ffn(linear, s, e, xs[start:start + c], act)
+            start += c
+    ws = w.reshape(-1)[order, None]                              # (n*k, 1)
+    return torch.zeros_like(x).index_add_(0, tok, ys * ws)
 
 
 @dataclass
@@ -62,48 +130,9 @@ class Counters:
             "prefetched_layers": self.prefetched_layers}
 
 
-def expert_views(gate_up: torch.Tensor, down: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-expert transposed views [(gate_up_e.T (D, 2*ff), down_e.T (ff, D))] of stacks (E, 2*ff, D) and
-    (E, D, ff), made once: x @ view is what F.linear runs, minus the per-call indexing and transposes
-    (single-token decode is bound by per-op overhead)."""
-    return [(gu.t(), dn.t()) for gu, dn in zip(gate_up.unbind(0), down.unbind(0))]
-
-
-def expert_ffn(x: torch.Tensor, gate_up_t: torch.Tensor, down_t: torch.Tensor) -> torch.Tensor:
-    """x: (c, D); gate_up_t: (D, 2*ff); down_t: (ff, D) -> (c, D): down(silu(gate x) * up x)."""
-    g, u = (x @ gate_up_t).chunk(2, dim=-1)                      # (c, ff) each
-    return (F.silu(g) * u) @ down_t
-
-
-def grouped_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                    experts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """x: (n, D); ids: (n, k) indices into experts (expert_views); w: (n, k) f32
-    -> (n, D) f32 = sum_j w_j * expert_j(x)."""
-    n, k = ids.shape
-    if n == 1:   # decode: the k routed experts in turn, no sort; one gating op for all k
-        used = [experts[e] for e in ids.tolist()[0]]
-        g, u = torch.cat([x @ gu for gu, _ in used]).chunk(2, dim=-1)   # (k, ff) each
-        act = F.silu(g) * u
-        ys = torch.cat([act[j:j + 1] @ dn for j, (_, dn) in enumerate(used)])   # (k, D)
-        return w @ ys.float()                                     # (1, D)
-    flat = ids.reshape(-1)                                       # (n*k,) expert of each (token, slot)
-    order = torch.argsort(flat, stable=True)                     # (n*k,) grouped by expert
-    counts = torch.bincount(flat, minlength=len(experts)).tolist()   # one host sync per layer
-    tok = order // k                                             # (n*k,) token of each grouped row
-    xs = x[tok]                                                  # (n*k, D) activations, grouped
-    ys = torch.empty_like(xs)
-    start = 0
-    for e, c in enumerate(counts):
-        if c:
-            ys[start:start + c] = expert_ffn(xs[start:start + c], *experts[e])
-            start += c
-    ws = w.reshape(-1)[order, None]                              # (n*k, 1)
-    return torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, ys.float() * ws)
-
-
 @contextmanager
 def num_threads(n: int):
-    """Temporarily run torch CPU ops with n threads (the host-path cap)."""
+    """Temporarily run torch CPU ops (and the kernels' at::parallel_for) with n threads (the host-path cap)."""
     prev = torch.get_num_threads()
     if prev != n:
         torch.set_num_threads(n)
@@ -115,31 +144,32 @@ def num_threads(n: int):
 
 
 class MoEExecutor:
-    """Runs layer il's routed experts for a batch, on the path the placement and batch size select."""
+    """Runs layer il's routed experts for a batch, on the path the placement and batch size select.
+    `linear(x, qt)` is the model's product with a stored matrix (engines.reference.model.Products);
+    `kernels` the CPU kernels (their fused one-token moe_decode) or None."""
 
-    def __init__(self, layers: list[ExpertLayer], cfg: OffloadConfig, device: torch.device, kernels=None):
-        self.layers, self.cfg, self.device = layers, cfg, device
-        self.kernels = kernels      # engines.reference.kernels extension (bf16 CPU decode) or None
+    def __init__(self, layers: list[ExpertStack | None], cfg: OffloadConfig, device: torch.device,
+                 linear: Callable, act: Activation, kernels=None):
+        self.layers, self.cfg, self.device, self.linear, self.act = layers, cfg, device, linear, act
+        self.kernels = kernels
         self.cuda = device.type == "cuda"
         self.counters = Counters()
-        self.staging: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if cfg.n_cpu_moe and cfg.path != "host":
-            # one staging buffer (two on CUDA, for prefetch) sized to a whole layer's expert stack
-            gu, dn = layers[0].gate_up, layers[0].down
+        self.staging: list[list[torch.Tensor]] = []      # per buffer: one uint8 tensor per stack matrix
+        offloaded = [s for s in layers if s is not None and s.on_host]
+        if offloaded and cfg.path != "host":
+            # staging sized to the largest offloaded layer's stored stack (two buffers on CUDA, for prefetch)
+            big = max(offloaded, key=lambda s: s.expert_bytes)
             for _ in range(2 if self.cuda else 1):
-                self.staging.append((torch.empty(gu.shape, dtype=gu.dtype, device=device),
-                                     torch.empty(dn.shape, dtype=dn.dtype, device=device)))
+                self.staging.append([torch.empty(m.nbytes, dtype=torch.uint8, device=device) for m in big.matrices])
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self.buf_free = [None, None]      # event: compute finished reading staging buffer b
         self._prefetched: dict[int, tuple[int, object]] = {}   # layer -> (buffer, copy-done event)
         self._n = 0
 
-        self.staging_views = [expert_views(gu, dn) for gu, dn in self.staging]
-
     @property
     def staging_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self.staging for t in pair)
+        return sum(t.numel() for buf in self.staging for t in buf)
 
     def path_for(self, il: int, n: int) -> str:
         if not self.layers[il].on_host:
@@ -154,58 +184,76 @@ class MoEExecutor:
         self._prefetched.clear()
 
     def __call__(self, il: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x: (n, D) compute dtype on the accelerator; ids, w: (n, k) -> (n, D) f32 on the accelerator."""
+        """x: (n, D) f32 on the accelerator; ids, w: (n, k) -> (n, D) f32 on the accelerator."""
         path = self.path_for(il, x.shape[0])
         self.counters.calls[path] += 1
-        layer = self.layers[il]
-        if self.kernels is not None and x.shape[0] == 1 and path != "stream":   # CPU bf16 decode: one call
-            with num_threads(self.cfg.host_threads if path == "host" else self.cfg.threads):
-                return self.kernels.moe_decode(x, layer.gate_up, layer.down, ids, w)
-        if path == "resident":
-            return grouped_experts(x, ids, w, layer.experts)
-        if path == "host":
-            with num_threads(self.cfg.host_threads):
-                y = grouped_experts(x.cpu(), ids.cpu(), w.cpu(), layer.experts)
-            return y.to(self.device, non_blocking=True)
-        return self._stream(il, x, ids, w)
+        s = self.layers[il]
+        if s.scale is not None:                                # an expert's output scale folds into its weight
+            w = w * s.scale.to(w.device)[ids]
+        if path == "stream":
+            return self._stream(il, x, ids, w)
+        on_cpu = path == "host" or not self.cuda
+        if not on_cpu:
+            return grouped_experts(self.linear, s, x, ids, w, self.act)
+        with num_threads(self.cfg.host_threads if path == "host" else self.cfg.threads):
+            xc, ic, wc = x.cpu(), ids.cpu(), w.cpu()
+            gb, ub, db = (None if t is None else t.cpu() for t in s.biases())    # vectors live on the accelerator
+            if xc.shape[0] == 1 and self.kernels is not None:     # one token: gate, up, act, down, sum in one call
+                y = self.kernels.moe_decode(xc, ic[0], wc[0], s.gate, s.up, s.down, self.act.name,
+                                            self.act.alpha, self.act.limit, gb, ub, db)
+            else:
+                y = grouped_experts(self.linear, replace(s, gate_b=gb, up_b=ub, down_b=db), xc, ic, wc, self.act)
+        return y.to(self.device, non_blocking=True)
 
     # --- stream path ----------------------------------------------------------------------------
 
     def _copy_experts(self, il: int, b: int, experts: list[int]) -> None:
-        """Copy the listed experts of layer il into slots 0..m-1 of staging buffer b."""
-        src, (gu, dn) = self.layers[il], self.staging[b]
-        for slot, e in enumerate(experts):
-            gu[slot].copy_(src.gate_up[e], non_blocking=True)
-            dn[slot].copy_(src.down[e], non_blocking=True)
-        per_expert = gu[0].numel() * gu.element_size() + dn[0].numel() * dn.element_size()
+        """Copy the stored bytes of the listed experts of layer il into slots 0..m-1 of staging buffer b."""
+        src = self.layers[il]
+        for m, dst in zip(src.matrices, self.staging[b]):
+            mb = m.matrix_bytes
+            for slot, e in enumerate(experts):
+                dst[slot * mb:(slot + 1) * mb].copy_(m.raw[e * mb:(e + 1) * mb], non_blocking=True)
         self.counters.streamed_experts += len(experts)
-        self.counters.streamed_bytes += len(experts) * per_expert
+        self.counters.streamed_bytes += len(experts) * src.expert_bytes
+
+    def _staged(self, il: int, b: int, used: torch.Tensor | None) -> ExpertStack:
+        """Layer il's stack read from staging buffer b: slot s holds expert used[s] (or expert s when the
+        whole layer was prefetched, used None); the small biases are gathered the same way."""
+        s = self.layers[il]
+        views = iter(buf[:m.nbytes] for m, buf in zip(s.matrices, self.staging[b]))
+        mats = [m if m is None else m.with_raw(next(views)) for m in (s.gate, s.up, s.down)]
+        biases = [None if t is None else (t if used is None else t[used.to(t.device)]).to(self.device)
+                  for t in s.biases()]
+        return replace(s, gate=mats[0], up=mats[1], down=mats[2], gate_b=biases[0], up_b=biases[1],
+                       down_b=biases[2], scale=None, on_host=False)
 
     def _stream(self, il: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        E = self.layers[il].gate_up.shape[0]
+        E = self.layers[il].gate.shape[0]
         if il in self._prefetched:                    # whole layer already in buffer b, slot == expert
             b, done = self._prefetched.pop(il)
             torch.cuda.current_stream().wait_event(done)
-            slot_ids = ids
+            slot_ids, used = ids, None
         else:
             b = il % len(self.staging)
-            used = torch.unique(ids).tolist()         # sorted expert ids this batch routes to
+            used = torch.unique(ids)                  # sorted expert ids this batch routes to
+            listed = used.tolist()
             if self.cuda:
                 with torch.cuda.stream(self.copy_stream):
                     if self.buf_free[b] is not None:
                         self.copy_stream.wait_event(self.buf_free[b])
-                    self._copy_experts(il, b, used)
+                    self._copy_experts(il, b, listed)
                     done = torch.cuda.Event()
                     done.record()
                 torch.cuda.current_stream().wait_event(done)
             else:
-                self._copy_experts(il, b, used)
+                self._copy_experts(il, b, listed)
             lut = torch.full((E,), -1, dtype=torch.long, device=ids.device)
-            lut[used] = torch.arange(len(used), device=ids.device)
+            lut[used] = torch.arange(len(listed), device=ids.device)
             slot_ids = lut[ids]                       # (n, k) staging slot of each routed expert
         if self.cuda:
             self._prefetch_next(il, 1 - b)
-        y = grouped_experts(x, slot_ids, w, self.staging_views[b])
+        y = grouped_experts(self.linear, self._staged(il, b, used), x, slot_ids, w, self.act)
         if self.cuda:
             ev = torch.cuda.Event()
             ev.record()
@@ -220,7 +268,7 @@ class MoEExecutor:
         with torch.cuda.stream(self.copy_stream):
             if self.buf_free[b] is not None:
                 self.copy_stream.wait_event(self.buf_free[b])
-            self._copy_experts(nxt, b, list(range(self.layers[nxt].gate_up.shape[0])))
+            self._copy_experts(nxt, b, list(range(self.layers[nxt].gate.shape[0])))
             done = torch.cuda.Event()
             done.record()
         self._prefetched[nxt] = (b, done)

@@ -13,12 +13,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-# ggml type name -> (ggml type id, values per block, bytes per block); ggml/include/ggml.h, ggml-common.h
-TYPES: dict[str, tuple[int, int, int]] = {
-    "F32": (0, 1, 4), "F16": (1, 1, 2), "BF16": (30, 1, 2),
-    "Q4_0": (2, 32, 18), "Q8_0": (8, 32, 34), "MXFP4": (39, 32, 17),
-    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "IQ4_XS": (23, 256, 136),
-}
+from engines.gguf_meta import GGML_TYPES
+
+TYPES = GGML_TYPES           # name -> (ggml type id, values per block, bytes per block)
+# the stored types the engine's products compute with (engines.reference.kernels, dequant)
+COMPUTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "MXFP4")
 
 
 @dataclass(frozen=True)

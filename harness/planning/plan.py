@@ -4,9 +4,9 @@ For every depth N in 0..n_layers (the `--n-cpu-moe N` rule of engines.base):
   accelerator = non-expert weights + routed experts of layers >= N + KV cache + compute buffers
                 (+ the reference engine's expert staging buffer, + a calibrated runtime overhead)
   host        = routed experts of layers < N
-Bytes are what the engine holds: llama.cpp keeps the file's bytes (quantized stays quantized); the
-reference engine converts matrices to its compute dtype and norms/routers to f32
-(engines/reference/engine.py load()). When measured cells of the same model exist (cells.csv, same
+Bytes are what the engine holds: both engines keep every weight as the file stores it (quantized stays
+quantized; engines/reference/weights.py); their KV caches differ (llama.cpp f16; the reference engine f32
+on a CPU, its compute dtype on CUDA). When measured cells of the same model exist (cells.csv, same
 model_fingerprint and engine), the estimate is calibrated from them and the plan says so.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engines.errors import UserError
-from engines.gguf_meta import ModelMeta, TensorEntry
+from engines.gguf_meta import ModelMeta
 from engines.reference import placement
 from engines.reference.placement import DTYPE_BYTES
 from harness.units import MiB as MIB
@@ -43,16 +43,11 @@ class ModelBytes:
     non_expert: int
     expert_by_layer: tuple[int, ...]       # routed-expert bytes of layer i (0 for dense layers)
     kv_per_cell: int                       # K + V bytes of one context cell over all layers
-    weight_dtype: str                      # "file" (as stored) or the reference compute dtype
+    compute_dtype: str                     # the dtype of many-token products (the roofline's FLOP/s figure)
     kv_dtype: str
 
     def experts(self, lo: int = 0, hi: int | None = None) -> int:
         return sum(self.expert_by_layer[lo:hi])
-
-
-def held_bytes(meta: ModelMeta, t: TensorEntry, weight_dtype: str) -> int:
-    """Bytes an engine holds for tensor t: the file's bytes ("file"), or the reference engine's at weight_dtype."""
-    return t.n_bytes if weight_dtype == "file" else placement.held_bytes(meta.arch, t, weight_dtype)
 
 
 def reference_dtype(meta: ModelMeta, s: PlanSettings) -> str:
@@ -65,18 +60,19 @@ def model_bytes(meta: ModelMeta, s: PlanSettings) -> ModelBytes:
         raise UserError(f"--engine {s.engine!r} has no memory model; use one of {', '.join(ENGINES)}.")
     _, head_kv, k_len, v_len = attention_shape(meta)
     if s.engine == "llama-cpp":
-        wdt, kvdt = "file", "f16"                # llama.cpp's default cache type is f16 for K and V
+        cdt, kvdt = "f32", "f16"                 # ggml's CPU products accumulate in f32; f16 K and V by default
     else:
-        wdt = kvdt = reference_dtype(meta, s)    # its KV cache has the compute dtype
+        cdt = reference_dtype(meta, s)
+        kvdt = cdt if s.device.startswith("cuda") else "f32"
     experts = [0] * meta.n_layers
     non_expert = 0
-    for t in meta.tensors:
+    for t in meta.tensors:                       # both engines hold the file's bytes
         if t.layer is not None:
-            experts[t.layer] += held_bytes(meta, t, wdt)
+            experts[t.layer] += t.n_bytes
         else:
-            non_expert += held_bytes(meta, t, wdt)
+            non_expert += t.n_bytes
     kv_per_cell = meta.n_layers * head_kv * (k_len + v_len) * DTYPE_BYTES[kvdt]
-    return ModelBytes(non_expert, tuple(experts), kv_per_cell, wdt, kvdt)
+    return ModelBytes(non_expert, tuple(experts), kv_per_cell, cdt, kvdt)
 
 
 def attention_shape(meta: ModelMeta) -> tuple[int, int, int, int]:
@@ -186,7 +182,7 @@ class Plan:
 
     def to_dict(self) -> dict:
         return {"model": str(self.meta.path), "model_fingerprint": self.meta.fingerprint,
-                "settings": self.settings.__dict__, "weight_dtype": self.bytes.weight_dtype,
+                "settings": self.settings.__dict__, "compute_dtype": self.bytes.compute_dtype,
                 "kv_dtype": self.bytes.kv_dtype, "n_kv_cells": self.n_kv_cells,
                 "calibration": self.calibration.describe() if self.calibration else None,
                 "depths": [d.__dict__ | {"accel_bytes": d.accel_bytes,

@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 
 from engines.gguf_meta import ModelMeta
-from harness.planning.plan import ModelBytes, PlanSettings, attention_shape, held_bytes, model_bytes
+from harness.planning.plan import ModelBytes, PlanSettings, attention_shape, model_bytes
 from harness.hw.probe import figure
 
 STREAM_MIN_BATCH = {"llama-cpp": 32, "reference": 128}
@@ -72,7 +72,7 @@ def _weights_read(meta: ModelMeta, mb: ModelBytes) -> int:
     names = {t.name for t in meta.tensors}
     embd = next(t for t in meta.tensors if t.name == "token_embd.weight") if "token_embd.weight" in names else None
     tied = "output.weight" not in names
-    return mb.non_expert - (held_bytes(meta, embd, mb.weight_dtype) if embd is not None and not tied else 0)
+    return mb.non_expert - (embd.n_bytes if embd is not None and not tied else 0)
 
 
 def _cpu_flops(profile: dict, dtype: str, threads: int) -> float:
@@ -106,7 +106,7 @@ def bound(meta: ModelMeta, c: CellShape, n_prompt: int, n_gen: int, n_depth: int
     attn = 4 * meta.n_layers * head * hd * ctx
     f_host = 2 * sum(p_exp[:N]) * frac
     f_all = 2 * (p_ne + sum(p_exp) * frac) + attn
-    wdt = mb.weight_dtype if c.engine == "reference" else "f32"
+    wdt = mb.compute_dtype
     cpu = _cpu_flops(profile, wdt, c.threads)
     if not c.gpu:
         return cpu / f_all, "compute"
