@@ -8,6 +8,7 @@ Numpy shapes are the reverse of ggml `ne`.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from engines.errors import UserError
+from engines.gguf_meta import GGML_TYPES
 from engines.paths import cache_dir
 from engines.reference.archs import ARCHS, PRESETS, Hparams, Preset
 from workloads.quantize import FTYPES, quantize, tensor_types
@@ -59,8 +61,11 @@ def _weights(shape: tuple[int, ...], name: str, rng: np.random.Generator) -> np.
     return a
 
 
-def synthesize(preset: str | Preset, out: str | Path, seed: int = 0, dtype: str | None = None) -> Path:
-    """Write a random-weight GGUF for the preset; returns the path. Same inputs -> same bytes."""
+def synthesize(preset: str | Preset, out: str | Path, seed: int = 0, dtype: str | None = None,
+               sparse: bool = False) -> Path:
+    """Write a random-weight GGUF for the preset; returns the path. Same inputs -> same bytes.
+    sparse: the header and tensor table only, the data a hole of the right size (no disk, no weights): what
+    `moebench plan` reads, for the real models' full layer counts (their weights would take 13-150 GB)."""
     import gguf
 
     p = get_preset(preset, dtype) if isinstance(preset, str) else preset
@@ -73,9 +78,13 @@ def synthesize(preset: str | Preset, out: str | Path, seed: int = 0, dtype: str 
     shapes = tensor_shapes(p)
     types = tensor_types(p.dtype, shapes, h.n_layers, h.arch, n_expert=h.n_expert, n_head=h.n_head,
                          n_head_kv=h.n_head_kv)        # llama-quantize's choice for this file type
+    if sparse:
+        return _sparse(w, h, shapes, types, tmp, out)
+    special = ARCHS[h.arch].synth_tensor
     for idx, (name, shape) in enumerate(shapes.items()):
-        a = _weights(shape, name, np.random.default_rng([seed, idx]))
-        if types[name] == "F32":
+        rng = np.random.default_rng([seed, idx])
+        a, types[name] = (special and special(name, shape, rng, h)) or (_weights(shape, name, rng), types[name])
+        if types[name] in ("F32", "I32"):
             w.add_tensor(name, a)
         elif types[name] == "F16":
             w.add_tensor(name, a.astype(np.float16))
@@ -86,6 +95,29 @@ def synthesize(preset: str | Preset, out: str | Path, seed: int = 0, dtype: str 
     w.write_tensors_to_file()
     w.close()
     tmp.replace(out)   # atomic: a half-written file never looks like a model
+    return out
+
+
+def _sparse(w, h: Hparams, shapes: dict[str, tuple[int, ...]], types: dict[str, str], tmp: Path, out: Path) -> Path:
+    """Finish writer w with the tensor table only; the data section is left as a hole (a sparse file)."""
+    import gguf
+
+    special = ARCHS[h.arch].synth_tensor
+    for name, shape in shapes.items():
+        t = types[name]
+        if special and (s := special(name, (1,) * len(shape), np.random.default_rng(0), h)):
+            t = s[1]                              # the type the architecture asks for (an I32 table, F32 scales)
+        size = math.prod(shape) * 4 if t == "I32" else math.prod(shape) // GGML_TYPES[t][1] * GGML_TYPES[t][2]
+        w.add_tensor_info(name, shape, np.float32, size, raw_dtype=gguf.GGMLQuantizationType[t])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    f = w.fout[0]
+    pad = lambda n: -(-n // w.data_alignment) * w.data_alignment
+    end = pad(f.tell()) + sum(pad(ti.nbytes) for ti in w.tensors[0].values())
+    w.close()
+    os.truncate(tmp, end)
+    tmp.replace(out)
     return out
 
 

@@ -42,9 +42,17 @@ class OffloadConfig:
     threads: int = 1            # threads for everything else
 
 
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """ggml's CPU GELU (vec.h, GGML_GELU_FP16): the tanh GELU looked up in an f16 table, x and the result
+    rounded to f16, 0 below -10 and x above 10. Matching it matters: its rounding flips near-tied expert
+    choices (gemma4, measured ~1 logit at a few positions with the exact GELU)."""
+    y = F.gelu(x.half().float(), approximate="tanh").half().float()
+    return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, y))
+
+
 @dataclass(frozen=True)
 class Activation:
-    """The gated activation of the experts: silu(g) u, ggml's tanh-GELU(g) u, or gpt-oss's clamped
+    """The gated activation of the experts: silu(g) u, ggml's GELU(g) u (gelu above), or gpt-oss's clamped
     SwiGLU: g = min(g, limit), u = clamp(u, -limit, limit), g sigmoid(alpha g) (u + 1)."""
     name: str = "silu"
     alpha: float = 1.702
@@ -54,7 +62,7 @@ class Activation:
         if self.name == "silu":
             return F.silu(g) * u
         if self.name == "gelu":
-            return F.gelu(g, approximate="tanh") * u
+            return gelu(g) * u
         g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
         return g * torch.sigmoid(self.alpha * g) * (u + 1)
 

@@ -30,16 +30,14 @@ for _m in pkgutil.iter_modules(__path__):
 
 def arch_of(meta: ModelMeta) -> Arch:
     """The table entry of a model file, or one sentence naming the supported architectures."""
+    runs = ", ".join(a for a in ARCHS if not ARCHS[a].unsupported)
     if meta.arch not in ARCHS or not meta.moe_layers:
         what = f"architecture {meta.arch!r}" if meta.arch not in ARCHS else "a model without routed experts"
-        why = ARCHS[meta.arch].unsupported if meta.arch in ARCHS and ARCHS[meta.arch].unsupported else ""
         raise UserError(f"{meta.path.name} is {what}, which the reference engine does not run; "
-                        f"supported: Mixture-of-Experts models of {', '.join(a for a in ARCHS if not ARCHS[a].unsupported)}"
-                        + (f" ({meta.arch}: {why})" if why else "") + ".")
+                        f"supported: Mixture-of-Experts models of {runs}.")
     if ARCHS[meta.arch].unsupported:
         raise UserError(f"{meta.path.name} is a {meta.arch} model, which the reference engine does not run yet: "
-                        f"{ARCHS[meta.arch].unsupported}; run it with llama-cpp, or use one of "
-                        f"{', '.join(a for a in ARCHS if not ARCHS[a].unsupported)}.")
+                        f"{ARCHS[meta.arch].unsupported}; run it with llama-cpp, or use one of {runs}.")
     return ARCHS[meta.arch]
 
 

@@ -33,6 +33,16 @@ FEATURES = {
     "deltanet": "Gated DeltaNet linear-attention layers with a recurrent state",
     "gated_attention": "attention output scaled by sigmoid of a per-head gate from the q projection",
     "partial_rope": "RoPE on the first rope_dims of each head only",
+    "imrope": "interleaved M-RoPE (rope type 40); for text NEOX pairs, those of the 4th section not rotated",
+    "mtp_blocks": "multi-token-prediction blocks after the trunk: in the file, never run",
+    "v_norm": "RMSNorm of v per head, without a weight",
+    "k_eq_v": "layers without attn_v use the K projection as V (before k's norm and RoPE)",
+    "rope_freq_factors": "RoPE frequencies divided by per-pair factors (rope_freqs.weight)",
+    "attn_scale_one": "attention scores not scaled by 1/sqrt(head_dim)",
+    "swa_layer_shapes": "sliding-window layers have their own head size, kv heads and RoPE base and dims",
+    "router_input_scale": "router input rmsnorm(x) * n_embd^-0.5 * ffn_gate_inp.scale, not the experts' input",
+    "expert_out_scale": "each routed expert's output times a per-expert scale (ffn_down_exps.scale)",
+    "layer_output_scale": "the residual after each layer times a learned scalar (layer_output_scale)",
 }
 
 ARCHS: dict[str, "Arch"] = {}       # name -> Arch, filled by the package from its modules
@@ -109,6 +119,9 @@ class Arch:
     model: str = "engines.reference.model:Transformer"  # module:class of its forward pass (torch)
     activation: str = "silu"                       # the routed experts' gated activation (offload.Activation)
     unsupported: str = ""                          # the reference engine does not run it: which part is missing
+    # the synthesizer's values and type for tensors that are not plain weights (an index table, a scale that
+    # must stay F32): (name, numpy shape, rng, h) -> (array, ggml type) or None for the default
+    synth_tensor: Callable[[str, tuple[int, ...], object, Hparams], tuple[object, str] | None] | None = None
 
     def rules(self) -> list[TensorRule]:
         """The tensor rules of this architecture (those of features it lacks dropped)."""
@@ -173,7 +186,8 @@ def common_hparams(meta: ModelMeta, shared: bool) -> dict:
                                                                                        n_embd // n_head),
         n_expert=n_expert, n_expert_used=n_used,
         n_ff_exp=positive(meta, "expert_feed_forward_length", meta.get("feed_forward_length")),
-        n_ff_shexp=positive(meta, "expert_shared_feed_forward_length", meta.get("feed_forward_length")) if shared else 0,
+        n_ff_shexp=positive(meta, "expert_shared_feed_forward_length", meta.get("feed_forward_length"))
+        if shared else 0,
         n_vocab=meta.n_vocab, rope_base=positive(meta, "rope.freq_base", 10000.0, float),
         rms_eps=positive(meta, "attention.layer_norm_rms_epsilon", kind=float),
         expert_weights_scale=float(meta.get("expert_weights_scale", 0.0) or 0.0),
