@@ -46,12 +46,15 @@ from harness.cli.options import FORMAT, OUTPUT, split_list, user_errors
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
               help="Run the cells on a Ray cluster: auto (RAY_ADDRESS or the local cluster) or ray://HOST:PORT.")
 @click.option("--per-node", is_flag=True, help="With --ray: every node runs every cell (compare hardware).")
+@click.option("--ray-nodes", default="", metavar="NODES",
+              help="With --ray: run cells only on these nodes (hostnames, IPs or node-id prefixes, comma-separated; "
+                   "default: every node that offers CPUs to Ray, or those offering moebench_slot if any do).")
 @FORMAT
 @OUTPUT
 @user_errors
 def sweep(models, engines, depths, cpu_moe, workloads, repetitions, threads, n_ctx, n_batch, n_ubatch, flash_attn,
           timeout, sample_ms, cpu_moe_threads, moe_stream_min_batch, llama_bench, tensorsharp, seed, results_dir,
-          resume, strict, interleave, rounds, ray_address, per_node, fmt, output):
+          resume, strict, interleave, rounds, ray_address, per_node, ray_nodes, fmt, output):
     """Run every engine x model x depth cell, each in its own process, and write tidy results."""
     from harness.run.progress import sweep_with_progress
     from harness.run.spec import SweepSpec
@@ -65,7 +68,8 @@ def sweep(models, engines, depths, cpu_moe, workloads, repetitions, threads, n_c
                      depths=["all"] if cpu_moe else split_list(depths), workloads=split_list(workloads),
                      repetitions=repetitions, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, flash_attn=flash_attn,
                      timeout_s=timeout, sample_ms=sample_ms, seed=seed, extra=extra, ray=ray_address,
-                     per_node=per_node, rounds=rounds, **({"threads": threads} if threads else {}))
+                     per_node=per_node, ray_nodes=split_list(ray_nodes), rounds=rounds,
+                     **({"threads": threads} if threads else {}))
     if interleave:
         from harness.run.interleave import run_interleaved
         run_dir, failed = run_interleaved(spec, Path(results_dir), Path(resume) if resume else None)

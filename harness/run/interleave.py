@@ -173,8 +173,9 @@ def run_interleaved(spec: SweepSpec, results_dir: Path, resume: Path | None = No
         raise UserError(f"--interleave needs exactly two engine specs, got {len(spec.engines)}; "
                         "pass e.g. -e llama-cpp,llama-cpp@threads=1.")
     sizes = round_sizes(spec.repetitions, spec.rounds or 5)
-    if spec.ray or spec.per_node:
-        raise UserError("--interleave runs both arms on this machine, side by side; drop --ray/--per-node.")
+    if spec.ray or spec.per_node or spec.ray_nodes:
+        raise UserError("--interleave runs both arms on this machine, side by side; "
+                        "drop --ray/--per-node/--ray-nodes.")
     es = dict(zip(ARMS, (parse_engine_spec(e) for e in spec.engines)))
     for e in es.values():
         if engine_class(e.engine).measure is not Engine.measure:

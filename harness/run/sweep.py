@@ -23,7 +23,7 @@ def run_sweep(spec: SweepSpec, results_dir: Path, resume: Path | None = None,
         spec = SweepSpec.from_dict(json.loads((resume / "run.json").read_text())["spec"])
     cells = expand(spec)
     cluster = None
-    if spec.ray or spec.per_node:                # connect first: a missing Ray or cluster leaves no run directory
+    if spec.ray or spec.per_node or spec.ray_nodes:   # connect first: a missing Ray or cluster leaves no run directory
         if (spec.rounds or 1) > 1:
             raise UserError("--rounds does not apply to --ray sweeps (each node runs a cell once); drop --rounds.")
         cluster = Cluster.connect(spec)
