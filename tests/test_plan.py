@@ -18,7 +18,7 @@ NON_EXPERT = 4 * (4 * (128 + 128 * 128 + 64 * 128 * 2 + 128 * 128 + 128 + 8 * 12
 
 def test_plan_arithmetic_on_tiny_by_hand(tiny):
     meta = read_meta(tiny)
-    p = make_plan(meta, PlanSettings(engine="llama-cpp", n_ctx=300))
+    p = make_plan(meta, PlanSettings(engine="llama-cpp", n_ctx=300, device="cpu"))
     assert p.n_kv_cells == 512                                  # llama.cpp pads the cache to 256 cells
     assert len(p.depths) == 5
     for d in p.depths:
@@ -28,6 +28,13 @@ def test_plan_arithmetic_on_tiny_by_hand(tiny):
         assert d.expert_accel_bytes == (4 - n) * EXPERTS_PER_LAYER
         assert d.kv_bytes == 512 * 4 * 2 * (32 + 32) * 2        # cells x layers x kv heads x (K+V) x f16
         assert d.accel_bytes == NON_EXPERT + (4 - n) * EXPERTS_PER_LAYER + d.kv_bytes + d.compute_bytes
+    # on CUDA llama.cpp keeps the token embedding in host RAM, and a batch of >= 32 tokens copies an offloaded
+    # layer's experts into the GPU compute buffer (op offload)
+    g = make_plan(meta, PlanSettings(engine="llama-cpp", n_ctx=300, device="cuda"))
+    embed = 1024 * 128 * 4
+    for n in range(5):
+        assert g.at(n).non_expert_bytes == NON_EXPERT - embed and g.at(n).host_bytes == n * EXPERTS_PER_LAYER + embed
+        assert g.at(n).compute_bytes == p.at(n).compute_bytes + (EXPERTS_PER_LAYER if n else 0)
     # the reference engine: f32 file -> f32 compute and KV, no padding, one staging layer on the CPU
     r = make_plan(meta, PlanSettings(engine="reference", n_ctx=300, device="cpu"))
     assert r.at(0).kv_bytes == 2 * 4 * 2 * 300 * 32 * 4
@@ -56,7 +63,7 @@ def test_plan_matches_llama_cpp_buffers(mib_model, depth, mmap):
     info, log = e.info(), e._load_log
     e.close()
     meta = read_meta(mib_model)
-    d = make_plan(meta, PlanSettings(engine="llama-cpp", n_ctx=300)).at(depth)
+    d = make_plan(meta, PlanSettings(engine="llama-cpp", n_ctx=300, device="cpu")).at(depth)
     moved = re.findall(r"tensor (blk\.\d+\.\S+) \(([\d.]+) MiB \S+\) buffer type overridden", log)
     assert {n for n, _ in moved} == {t.name for t in meta.tensors if t.layer is not None and t.layer < depth}
     assert sum(float(m) for _, m in moved) * 2**20 == pytest.approx(d.expert_host_bytes, rel=0.02)
@@ -91,7 +98,7 @@ def test_plan_calibrates_from_a_real_sweep(tiny, tmp_path):
     runs = find_runs(tmp_path)
     assert len(runs) == 1
     meta = read_meta(tiny)
-    p = make_plan(meta, PlanSettings(engine="llama-cpp", n_ctx=16), runs)
+    p = make_plan(meta, PlanSettings(engine="llama-cpp", n_ctx=16, device="cpu"), runs)
     assert p.calibration is not None and p.calibration.n_cells == 2
     assert p.calibration.compute_scale == pytest.approx(1.0, rel=0.05)   # llama.cpp's own compute buffer
     for c in read_csv(runs[0],
@@ -100,7 +107,8 @@ def test_plan_calibrates_from_a_real_sweep(tiny, tmp_path):
         assert d.accel_bytes + d.host_bytes >= float(c["peak_rss_mib"]) * 2**20 - 2**20
     out = moebench("plan", "-m", tiny, "--ctx", "16", "--results-dir", tmp_path)
     assert out.returncode == 0 and "calibrated from 2 measured cell(s)" in out.stderr
-    js = json.loads(moebench("plan", "-m", tiny, "--ctx", "16", "--no-calibrate", "--format", "json").stdout)
+    js = json.loads(moebench("plan", "-m", tiny, "--ctx", "16", "--no-calibrate", "--device", "cpu",
+                             "--format", "json").stdout)
     assert js["calibration"] is None
     assert [d["host_bytes"] for d in js["depths"]] == [n * EXPERTS_PER_LAYER for n in range(5)]
 

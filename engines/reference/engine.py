@@ -152,7 +152,7 @@ class ReferenceEngine(Engine):
         hold.ledger.add("kv_cache", "accelerator", 0, self.model.cache_bytes)
         hold.ledger.add("staging", "accelerator", 0, self.moe.staging_bytes)
 
-        self.s, self.cfg, self.meta, self.ledger, self.device = s, cfg, meta, hold.ledger, device
+        self.s, self.cfg, self.meta, self.ledger, self.device, self._hold = s, cfg, meta, hold.ledger, device, hold
         self.depth, self.ocfg, self.stored, self.isa = depth, ocfg, stored, qk.isa
         self._dtype_name, self._huge = dtype, hold.hugepages
         self._n_host_tensors = sum(1 for n in shapes if entries[n].layer is not None and entries[n].layer < depth)
@@ -230,3 +230,4 @@ class ReferenceEngine(Engine):
     def close(self) -> None:
         self.model = self.moe = None
         self._logits = None
+        self._hold.unpin()

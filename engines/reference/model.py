@@ -26,7 +26,10 @@ Layer = dict[str, "QTensor | torch.Tensor"]      # a layer's tensors by name ins
 
 
 class Products:
-    """y = x W^T (+ b) for a stored matrix W, on the device W's bytes live on: x (n, K) f32 -> (n, N) f32."""
+    """y = x W^T (+ b) for a stored matrix W, on the device W's bytes live on: x (n, K) f32 -> (n, N) f32.
+    On CUDA W is dequantized into a scratch a tile of rows at a time (dequantization passes through f32
+    temporaries of ~6-9 bytes a value: a whole output head would need GBs)."""
+    TILE = 1 << 24            # values of W dequantized at once on CUDA (~150 MB of temporaries)
 
     def __init__(self, kernels, dtype: torch.dtype):
         self.kernels, self.dtype = kernels, dtype        # dtype: the compute dtype of CUDA products
@@ -36,7 +39,9 @@ class Products:
             x = x.contiguous()
             y = self.kernels.matvec(w, x) if x.shape[0] == 1 else self.kernels.matmul(w, x)
         else:
-            y = F.linear(x.to(self.dtype), dequantize(w, self.dtype)).float()
+            xc, rows = x.to(self.dtype), max(1, self.TILE // w.k)
+            y = torch.cat([F.linear(xc, dequantize(w.rows(r, min(r + rows, w.n_rows)), self.dtype))
+                           for r in range(0, w.n_rows, rows)], dim=-1).float()
         return y if b is None else y + b
 
 

@@ -165,10 +165,12 @@ class MoEExecutor:
         self.staging: list[list[torch.Tensor]] = []      # per buffer: one uint8 tensor per stack matrix
         offloaded = [s for s in layers if s is not None and s.on_host]
         if offloaded and cfg.path != "host":
-            # staging sized to the largest offloaded layer's stored stack (two buffers on CUDA, for prefetch)
-            big = max(offloaded, key=lambda s: s.expert_bytes)
+            # staging: for each matrix of a stack (gate, up, down) the largest stored size over the offloaded
+            # layers (a file type may store ffn_down as Q6_K in some layers, Q4_K in others); two buffers on
+            # CUDA, for prefetch
+            sizes = [max(s.matrices[j].nbytes for s in offloaded) for j in range(len(offloaded[0].matrices))]
             for _ in range(2 if self.cuda else 1):
-                self.staging.append([torch.empty(m.nbytes, dtype=torch.uint8, device=device) for m in big.matrices])
+                self.staging.append([torch.empty(n, dtype=torch.uint8, device=device) for n in sizes])
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self.buf_free = [None, None]      # event: compute finished reading staging buffer b

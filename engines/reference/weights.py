@@ -123,13 +123,31 @@ class Holder:
         self.src, self.device, self.cuda = src, device, device.type == "cuda"
         self.hugepages = hugepages and not self.cuda
         self.ledger = ByteLedger()
+        self.pinned: list[torch.Tensor] = []
+
+    def pin(self, raw: torch.Tensor) -> torch.Tensor:
+        """A page-locked copy of exactly raw's size (async host->device copies need it). Not pin_memory():
+        torch's pinned allocator rounds each block up to a power of two (a 384 MiB expert stack would lock
+        512 MiB that no ledger shows)."""
+        t = torch.empty_like(raw).copy_(raw)
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {t.numel()} bytes failed with CUDA error {int(err)}")
+        self.pinned.append(t)
+        return t
+
+    def unpin(self) -> None:
+        """Unregister the page-locked copies (before their memory goes back)."""
+        for t in self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        self.pinned.clear()
 
     def matrix(self, name: str, group: str, where: str) -> QTensor:
         """A matrix as stored, at `where` ("host" | "accelerator")."""
         qt = self.src.qtensor(name)
         raw = qt.raw
         if self.cuda:
-            raw = raw.to(self.device) if where == "accelerator" else raw.pin_memory()   # pinned: async copies
+            raw = raw.to(self.device) if where == "accelerator" else self.pin(raw)
         elif self.hugepages:
             raw = hugepage_copy(raw)
         if raw is not qt.raw:

@@ -72,7 +72,7 @@ def measure(threads: int | None = None, quick: bool = False) -> dict:
     gpu: dict = {}
     if torch.cuda.is_available():
         sync = torch.cuda.synchronize
-        pageable = torch.empty(size, dtype=torch.uint8)
+        pageable = torch.ones(size, dtype=torch.uint8)     # written: untouched pages all map the zero page
         pinned = pageable.pin_memory()
         dev = torch.empty(size, dtype=torch.uint8, device="cuda")
         dev2 = torch.empty_like(dev)

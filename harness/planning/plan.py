@@ -45,6 +45,7 @@ class ModelBytes:
     kv_per_cell: int                       # K + V bytes of one context cell over all layers
     compute_dtype: str                     # the dtype of many-token products (the roofline's FLOP/s figure)
     kv_dtype: str
+    embed: int = 0                         # token_embd bytes (part of non_expert)
 
     def experts(self, lo: int = 0, hi: int | None = None) -> int:
         return sum(self.expert_by_layer[lo:hi])
@@ -65,14 +66,15 @@ def model_bytes(meta: ModelMeta, s: PlanSettings) -> ModelBytes:
         cdt = reference_dtype(meta, s)
         kvdt = cdt if s.device.startswith("cuda") else "f32"
     experts = [0] * meta.n_layers
-    non_expert = 0
+    non_expert = embed = 0
     for t in meta.tensors:                       # both engines hold the file's bytes
         if t.layer is not None:
             experts[t.layer] += t.n_bytes
         else:
             non_expert += t.n_bytes
+            embed += t.n_bytes if t.name == "token_embd.weight" else 0
     kv_per_cell = meta.n_layers * head_kv * (k_len + v_len) * DTYPE_BYTES[kvdt]
-    return ModelBytes(non_expert, tuple(experts), kv_per_cell, cdt, kvdt)
+    return ModelBytes(non_expert, tuple(experts), kv_per_cell, cdt, kvdt, embed)
 
 
 def attention_shape(meta: ModelMeta) -> tuple[int, int, int, int]:
@@ -130,6 +132,7 @@ class DepthPlan:
     compute_bytes: int          # compute buffers (estimate x calibration scale)
     staging_bytes: int = 0
     overhead_bytes: int = 0     # calibrated: measured peak minus everything above
+    input_host_bytes: int = 0   # llama.cpp on CUDA keeps the token embedding (a row lookup) in host RAM
 
     @property
     def accel_bytes(self) -> int:
@@ -138,7 +141,7 @@ class DepthPlan:
 
     @property
     def host_bytes(self) -> int:
-        return self.expert_host_bytes
+        return self.expert_host_bytes + self.input_host_bytes
 
     @property
     def expert_host_fraction(self) -> float:
@@ -190,8 +193,13 @@ class Plan:
 
 
 def _depth(mb: ModelBytes, s: PlanSettings, n: int, compute: int, overhead: int = 0) -> DepthPlan:
-    return DepthPlan(n, mb.non_expert, mb.experts(n), mb.experts(0, n), kv_cells(s) * mb.kv_per_cell, compute,
-                     staging_bytes(mb, s, n), overhead)
+    llama_cuda = s.engine == "llama-cpp" and s.device.startswith("cuda")
+    embed = mb.embed if llama_cuda else 0       # llama.cpp's input layer lives on the CPU (llama-model.cpp)
+    if llama_cuda and n and min(s.n_ubatch, s.n_batch) >= 32:
+        # op offload: a batch of >= 32 tokens copies an offloaded layer's experts into the GPU compute buffer
+        compute += max(mb.expert_by_layer[:n])
+    return DepthPlan(n, mb.non_expert - embed, mb.experts(n), mb.experts(0, n), kv_cells(s) * mb.kv_per_cell,
+                     compute, staging_bytes(mb, s, n), overhead, embed)
 
 
 def _cell_settings(s: PlanSettings, c: dict) -> PlanSettings:
