@@ -229,11 +229,14 @@ def _fallback(t: str, k: int) -> str:
 
 
 def tensor_type(ftype: str, name: str, shape: tuple[int, ...], n_layers: int, arch: str = "qwen3moe", *,
-                n_expert: int = 0, n_head: int = 1, n_head_kv: int = 1, tied_embeddings: bool = False) -> str:
+                n_expert: int = 0, n_head: int = 1, n_head_kv: int = 1, tied_embeddings: bool = False,
+                attn_v: tuple[int, int] | None = None) -> str:
     """The ggml type llama-quantize gives tensor `name` (numpy shape) in a file of type `ftype`.
 
     n_expert (expert_count), n_head/n_head_kv (for n_gqa) and tied_embeddings (the file has no
-    output.weight) are model facts some rules depend on. See the module docstring for the rules.
+    output.weight) are model facts some rules depend on. attn_v: (index among the model's attn_v tensors,
+    their count), as llama.cpp counts them (i_attention_wv); default (the layer, n_layers), the same when every
+    layer has one (not gemma4, whose full-attention layers have none). See the module docstring for the rules.
     """
     if ftype not in FTYPES:
         raise ValueError(f"Unknown file type {ftype!r}; choose from: {', '.join(FTYPES)}.")
@@ -258,10 +261,10 @@ def tensor_type(ftype: str, name: str, shape: tuple[int, ...], n_layers: int, ar
         new = "MXFP4" if len(shape) >= 3 and shape[-3] > 1 else "Q8_0"
     elif cat == "token_embd":
         pass
-    elif cat == "attn_v":           # i_attention_wv counts attn_v tensors in layer order: the layer index
+    elif cat == "attn_v":           # llama.cpp counts attn_v tensors (i_attention_wv of n_attention_wv)
         if ftype == "iq4_xs" and n_gqa >= 4:
             new = "Q5_K"
-        elif ftype in ("q4_k_m", "q5_k_m") and _use_more_bits(_layer(name), n_layers):
+        elif ftype in ("q4_k_m", "q5_k_m") and _use_more_bits(*(attn_v or (_layer(name), n_layers))):
             new = "Q6_K"
         if is_70b and new in ("Q3_K", "Q4_K"):
             new = "Q5_K"
@@ -289,5 +292,8 @@ def tensor_types(ftype: str, shapes: dict[str, tuple[int, ...]], n_layers: int, 
                  n_expert: int = 0, n_head: int = 1, n_head_kv: int = 1) -> dict[str, str]:
     """tensor_type for every tensor of a model (name -> numpy shape); tied embeddings when there is no output.weight."""
     tied = "output.weight" not in shapes
+    wv = [n for n in shapes if _category(n) == "attn_v"]         # in layer order, as llama.cpp counts them
     return {name: tensor_type(ftype, name, shape, n_layers, arch, n_expert=n_expert, n_head=n_head,
-                              n_head_kv=n_head_kv, tied_embeddings=tied) for name, shape in shapes.items()}
+                              n_head_kv=n_head_kv, tied_embeddings=tied,
+                              attn_v=(wv.index(name), len(wv)) if name in wv else None)
+            for name, shape in shapes.items()}

@@ -68,7 +68,7 @@ def synthesize(preset: str | Preset, out: str | Path, seed: int = 0, dtype: str 
     `moebench plan` reads, for the real models' full layer counts (their weights would take 13-150 GB)."""
     import gguf
 
-    p = get_preset(preset, dtype) if isinstance(preset, str) else preset
+    p = get_preset(preset, dtype) if isinstance(preset, str) else replace(preset, dtype=dtype or preset.dtype)
     h = p.h
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,6 @@ def reference_dtype(meta: ModelMeta, s: PlanSettings) -> str:
 def model_bytes(meta: ModelMeta, s: PlanSettings) -> ModelBytes:
     if s.engine not in ENGINES:
         raise UserError(f"--engine {s.engine!r} has no memory model; use one of {', '.join(ENGINES)}.")
-    _, head_kv, k_len, v_len = attention_shape(meta)
     if s.engine == "llama-cpp":
         cdt, kvdt = "f32", "f16"                 # ggml's CPU products accumulate in f32; f16 K and V by default
     else:
@@ -73,7 +72,7 @@ def model_bytes(meta: ModelMeta, s: PlanSettings) -> ModelBytes:
         else:
             non_expert += t.n_bytes
             embed += t.n_bytes if t.name == "token_embd.weight" else 0
-    kv_per_cell = meta.n_layers * head_kv * (k_len + v_len) * DTYPE_BYTES[kvdt]
+    kv_per_cell = sum(h * (k + v) for h, k, v in cache_layout(meta)) * DTYPE_BYTES[kvdt]
     return ModelBytes(non_expert, tuple(experts), kv_per_cell, cdt, kvdt, embed)
 
 
@@ -85,6 +84,18 @@ def attention_shape(meta: ModelMeta) -> tuple[int, int, int, int]:
     default = int(meta.get("embedding_length") or 0) // max(n_head, 1)
     return (n_head, head_kv, int(meta.get("attention.key_length") or default),
             int(meta.get("attention.value_length") or default))
+
+
+def cache_layout(meta: ModelMeta) -> list[tuple[int, int, int]]:
+    """Per layer (kv heads, key length, value length) of the KV cache: the architecture table's rule where it
+    knows the architecture (per-layer head sizes, layers without a KV cache), else the plain metadata."""
+    from engines.reference.archs import ARCHS
+
+    if meta.arch in ARCHS:
+        a = ARCHS[meta.arch]
+        return a.cache_layout(a.parse(meta))
+    _, head_kv, k_len, v_len = attention_shape(meta)
+    return [(head_kv, k_len, v_len)] * meta.n_layers
 
 
 def kv_cells(s: PlanSettings) -> int:

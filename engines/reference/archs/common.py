@@ -122,6 +122,13 @@ class Arch:
     # the synthesizer's values and type for tensors that are not plain weights (an index table, a scale that
     # must stay F32): (name, numpy shape, rng, h) -> (array, ggml type) or None for the default
     synth_tensor: Callable[[str, tuple[int, ...], object, Hparams], tuple[object, str] | None] | None = None
+    # per layer (kv heads, key length, value length) of its KV cache, (0, 0, 0) for a layer without one;
+    # None: every layer (n_head_kv, head_dim, head_dim). What `moebench plan` sizes the caches from.
+    kv_layout: Callable[[Hparams], list[tuple[int, int, int]]] | None = None
+    state_bytes: Callable[[Hparams], int] | None = None    # f32 bytes of recurrent state per sequence (DeltaNet)
+
+    def cache_layout(self, h: Hparams) -> list[tuple[int, int, int]]:
+        return self.kv_layout(h) if self.kv_layout else [(h.n_head_kv, h.head_dim, h.head_dim)] * h.n_layers
 
     def rules(self) -> list[TensorRule]:
         """The tensor rules of this architecture (those of features it lacks dropped)."""
