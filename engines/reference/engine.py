@@ -85,7 +85,7 @@ class ReferenceEngine(Engine):
                             f"(missing: {missing[:3]}, unexpected: {extra[:3]}); the file is corrupt or a variant the "
                             f"reference engine does not support.")
         for name, shape in shapes.items():
-            check(entries[name], shape, matrix=len(shape) > 1)
+            check(entries[name], shape, matrix=len(shape) > 1 and not name.endswith(".bias"))
 
         x = s.extra
         depth = resolve_depth(None if x.get("depth_from_env") else s.n_cpu_moe, cfg.n_layers)
@@ -123,8 +123,8 @@ class ReferenceEngine(Engine):
         hold = Holder(GGUFFile(meta), device, hugepages=bool(x.get("hugepages", True)))
 
         def take(name: str, group: str = "non_experts", where: str = "accelerator") -> "object":
-            """A tensor of the file in its home: matrices as stored, vectors as f32."""
-            if len(shapes[name]) == 1:
+            """A tensor of the file in its home: matrices as stored, vectors (and biases: experts' are (E, ff)) f32."""
+            if len(shapes[name]) == 1 or name.endswith(".bias"):
                 return hold.vector(name, group, where)
             return hold.matrix(name, group, where)
 
