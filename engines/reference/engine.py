@@ -131,7 +131,7 @@ class ReferenceEngine(Engine):
         # Routed-expert tensors are those llama.cpp's --n-cpu-moe pattern matches (engines.base.expert_layer:
         # their biases and scales too), so both engines keep exactly the same tensors in host RAM.
         layers, stacks = [], []
-        for i in range(cfg.n_layers):
+        for i in range(cfg.n_trunk):          # blocks past the trunk (MTP) are checked above, never held
             prefix = f"blk.{i}."
             names = [n for n in shapes if n.startswith(prefix)]
             where = "host" if i < depth else "accelerator"
@@ -142,6 +142,7 @@ class ReferenceEngine(Engine):
                                       gate_b=ex.get("ffn_gate_exps.bias"), up_b=ex.get("ffn_up_exps.bias"),
                                       down_b=ex.get("ffn_down_exps.bias"), scale=ex.get("ffn_down_exps.scale"),
                                       on_host=i < depth))
+        layers += [{}] * (cfg.n_layers - cfg.n_trunk)
         top = {n: take(n) for n in shapes if not n.startswith("blk.")}
         top.setdefault("output.weight", top["token_embd.weight"])            # tied output head
         linear = Products(qk, getattr(torch, {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[dtype]))
@@ -149,13 +150,15 @@ class ReferenceEngine(Engine):
         module, cls = arch.model.split(":")
         model_class = getattr(importlib.import_module(module), cls)
         self.model = model_class(cfg, layers, top, self.moe, linear, s.n_ctx, device, linear.dtype)
-        hold.ledger.add("kv_cache", "accelerator", 0, self.model.cache_bytes)
+        hold.ledger.add("kv_cache", "accelerator", 0, self.model.cache_bytes - self.model.state_bytes)
+        hold.ledger.add("state", "accelerator", 0, self.model.state_bytes)
         hold.ledger.add("staging", "accelerator", 0, self.moe.staging_bytes)
 
         self.s, self.cfg, self.meta, self.ledger, self.device, self._hold = s, cfg, meta, hold.ledger, device, hold
         self.depth, self.ocfg, self.stored, self.isa = depth, ocfg, stored, qk.isa
         self._dtype_name, self._huge = dtype, hold.hugepages
-        self._n_host_tensors = sum(1 for n in shapes if entries[n].layer is not None and entries[n].layer < depth)
+        self._n_host_tensors = sum(1 for n in shapes if entries[n].layer is not None
+                                   and entries[n].layer < min(depth, cfg.n_trunk))
         self.all_logits = bool(x.get("logits_all", False))
         self.pos, self._logits = 0, None
 

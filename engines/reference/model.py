@@ -160,7 +160,13 @@ class Transformer:
 
     @property
     def cache_bytes(self) -> int:
+        """KV caches and recurrent states."""
         return sum(t.numel() * t.element_size() for c in self.caches for t in c)
+
+    @property
+    def state_bytes(self) -> int:
+        """The recurrent states among cache_bytes (none here)."""
+        return 0
 
     def reset(self) -> None:
         """Empty the caches: stale KV rows past the position are never read (recurrent states override)."""

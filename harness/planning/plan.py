@@ -46,6 +46,7 @@ class ModelBytes:
     compute_dtype: str                     # the dtype of many-token products (the roofline's FLOP/s figure)
     kv_dtype: str
     embed: int = 0                         # token_embd bytes (part of non_expert)
+    state: int = 0                         # recurrent state of one sequence (f32), whatever the context
 
     def experts(self, lo: int = 0, hi: int | None = None) -> int:
         return sum(self.expert_by_layer[lo:hi])
@@ -72,8 +73,9 @@ def model_bytes(meta: ModelMeta, s: PlanSettings) -> ModelBytes:
         else:
             non_expert += t.n_bytes
             embed += t.n_bytes if t.name == "token_embd.weight" else 0
-    kv_per_cell = sum(h * (k + v) for h, k, v in cache_layout(meta)) * DTYPE_BYTES[kvdt]
-    return ModelBytes(non_expert, tuple(experts), kv_per_cell, cdt, kvdt, embed)
+    layout, state = cache_layout(meta)
+    kv_per_cell = sum(h * (k + v) for h, k, v in layout) * DTYPE_BYTES[kvdt]
+    return ModelBytes(non_expert, tuple(experts), kv_per_cell, cdt, kvdt, embed, state)
 
 
 def attention_shape(meta: ModelMeta) -> tuple[int, int, int, int]:
@@ -86,16 +88,18 @@ def attention_shape(meta: ModelMeta) -> tuple[int, int, int, int]:
             int(meta.get("attention.value_length") or default))
 
 
-def cache_layout(meta: ModelMeta) -> list[tuple[int, int, int]]:
-    """Per layer (kv heads, key length, value length) of the KV cache: the architecture table's rule where it
-    knows the architecture (per-layer head sizes, layers without a KV cache), else the plain metadata."""
+def cache_layout(meta: ModelMeta) -> tuple[list[tuple[int, int, int]], int]:
+    """Per layer (kv heads, key length, value length) of the KV cache, and the recurrent state's bytes: the
+    architecture table's rules where it knows the architecture (per-layer head sizes, layers without a KV
+    cache, DeltaNet states), else the plain metadata."""
     from engines.reference.archs import ARCHS
 
     if meta.arch in ARCHS:
         a = ARCHS[meta.arch]
-        return a.cache_layout(a.parse(meta))
+        h = a.parse(meta)
+        return a.cache_layout(h), a.state_bytes(h) if a.state_bytes else 0
     _, head_kv, k_len, v_len = attention_shape(meta)
-    return [(head_kv, k_len, v_len)] * meta.n_layers
+    return [(head_kv, k_len, v_len)] * meta.n_layers, 0
 
 
 def kv_cells(s: PlanSettings) -> int:
@@ -139,7 +143,7 @@ class DepthPlan:
     non_expert_bytes: int
     expert_accel_bytes: int
     expert_host_bytes: int
-    kv_bytes: int
+    kv_bytes: int               # KV caches and recurrent states
     compute_bytes: int          # compute buffers (estimate x calibration scale)
     staging_bytes: int = 0
     overhead_bytes: int = 0     # calibrated: measured peak minus everything above
@@ -209,7 +213,7 @@ def _depth(mb: ModelBytes, s: PlanSettings, n: int, compute: int, overhead: int 
     if llama_cuda and n and min(s.n_ubatch, s.n_batch) >= 32:
         # op offload: a batch of >= 32 tokens copies an offloaded layer's experts into the GPU compute buffer
         compute += max(mb.expert_by_layer[:n])
-    return DepthPlan(n, mb.non_expert - embed, mb.experts(n), mb.experts(0, n), kv_cells(s) * mb.kv_per_cell,
+    return DepthPlan(n, mb.non_expert - embed, mb.experts(n), mb.experts(0, n), kv_cells(s) * mb.kv_per_cell + mb.state,
                      compute, staging_bytes(mb, s, n), overhead, embed)
 
 

@@ -73,6 +73,12 @@ class Hparams:
     n_ctx_train: int = 32768
 
     @property
+    def n_trunk(self) -> int:
+        """The blocks the forward pass runs; blocks after them (multi-token-prediction heads) are in the file
+        but never run, and llama.cpp does not load them."""
+        return self.n_layers
+
+    @property
     def q_dim(self) -> int:
         return self.n_head * self.head_dim
 
