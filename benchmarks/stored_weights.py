@@ -50,14 +50,16 @@ def rows(run_dir: Path, isa: str, dtype: str) -> list[dict]:
         ref, lcp = by.get("reference"), by.get("llama-cpp")
         if not ref or not lcp:
             continue
-        c = {e: cells[(cells["engine"] == e) & (cells["n_cpu_moe"] == depth)].iloc[0] for e in ("reference", "llama-cpp")}
+        c = {e: cells[(cells["engine"] == e) & (cells["n_cpu_moe"] == depth)].iloc[0]
+             for e in ("reference", "llama-cpp")}
         isa_used = str(c["reference"]["effective_settings"]).split('"cpu_isa": "')[-1].split('"')[0]
         out.append({"isa": isa_used, "dtype": dtype, "n_cpu_moe": depth, "workload": wl,
                     "ref tok/s": ref["tps_median"], "llama tok/s": lcp["tps_median"],
                     "tok/s ratio": ref["tps_median"] / lcp["tps_median"],
                     "ref RSS MiB": ref["peak_rss_mib"], "llama RSS MiB": lcp["peak_rss_mib"],
                     "RSS ratio": ref["peak_rss_mib"] / lcp["peak_rss_mib"],
-                    "host experts equal": int(c["reference"]["expert_bytes_host"]) == int(c["llama-cpp"]["expert_bytes_host"]),
+                    "host experts equal":
+                        int(c["reference"]["expert_bytes_host"]) == int(c["llama-cpp"]["expert_bytes_host"]),
                     "run": run_dir.name})
     return out
 

@@ -19,7 +19,9 @@ from engines.gguf_meta import read_meta
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 MIB = 2**20
 # "load_tensors:   CPU_Mapped model buffer size =   820.00 MiB", "... KV buffer size", "... compute buffer size"
-_BUFFER = re.compile(r"(\S+)\s+(model|KV|compute|output|RS) buffer size =\s*([\d.]+) MiB")
+# (?<!\S): a match starts at a word's start; without it the search backtracks quadratically over a long word
+# (a 4 MiB general.name in the load log took minutes)
+_BUFFER = re.compile(r"(?<!\S)(\S+)\s+(model|KV|compute|output|RS) buffer size =\s*([\d.]+) MiB")
 _OVERRIDE = re.compile(r"tensor (blk\.\d+\.\S+) \(.*\) buffer type overridden to (\S+)")
 
 

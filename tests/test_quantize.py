@@ -9,7 +9,6 @@ tied embeddings (no output.weight), and 80 llama layers with GQA (the 70B rule).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import gguf

@@ -4,7 +4,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from engines.base import EngineSettings
 from engines.errors import UserError
@@ -207,7 +206,8 @@ def test_quantized_experts_are_held_as_stored(tmp_path, qtype):
     assert (q_logits.argmax(-1) == f_logits.argmax(-1)).mean() >= 0.9
     info = e.info().extra
     assert info["file_bytes"]["experts"] == info["held_bytes"]["experts"]          # as stored, host and accelerator
-    assert info["held_bytes"]["experts"]["host"] == sum(b.nbytes for n, (b, _) in quant.items() if n.startswith("blk.0."))
+    host = sum(b.nbytes for n, (b, _) in quant.items() if n.startswith("blk.0."))
+    assert info["held_bytes"]["experts"]["host"] == host
 
 
 # --- bad input -----------------------------------------------------------------------------------------

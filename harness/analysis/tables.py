@@ -8,13 +8,22 @@ import re
 import sys
 from pathlib import Path
 
+from engines.gguf_meta import clean_text
+
 FORMATS = ("table", "md", "csv", "json")
+CELL_LIMIT = 4096       # characters of one rendered cell: a table is for reading (the result files keep it all)
 
 
 def _cell(v) -> str:
     if isinstance(v, float):
         return "" if math.isnan(v) else f"{v:,.2f}"
-    return "" if v is None else str(v)
+    return "" if v is None else clean_text(v, CELL_LIMIT, lines=True)
+
+
+def _clean(v):
+    """A cell of any format without control characters (model names and error text come from model files and
+    engine logs: untrusted); numbers and None untouched."""
+    return clean_text(v, CELL_LIMIT, lines=True) if isinstance(v, str) else v
 
 
 MD_SPECIAL = re.compile(r"([\\`*_\[\]<>~&|])")      # emphasis, code, links, raw HTML, entities, tables
@@ -22,8 +31,8 @@ MD_SPECIAL = re.compile(r"([\\`*_\[\]<>~&|])")      # emphasis, code, links, raw
 
 def md_escape(text) -> str:
     """Backslash-escape Markdown/HTML punctuation (CommonMark allows it before any ASCII punctuation):
-    model names and other strings come from GGUF metadata, which is untrusted."""
-    return MD_SPECIAL.sub(r"\\\1", str(text)).replace("\n", " ")
+    model names and other strings come from GGUF metadata, which is untrusted (control characters go too)."""
+    return MD_SPECIAL.sub(r"\\\1", clean_text(text, None))
 
 
 def markdown(rows: list[dict]) -> str:
@@ -37,7 +46,11 @@ def markdown(rows: list[dict]) -> str:
 
 def render(rows: list[dict], fmt: str = "table", title: str = "", out: str | Path | None = None,
            json_payload=None) -> None:
-    """Print rows in fmt to stdout, or write them to `out`. json_payload replaces rows for json."""
+    """Print rows in fmt to stdout, or write them to `out`. json_payload replaces rows for json.
+    Every cell and the title lose their control characters, whatever the format (defence in depth: the
+    strings of model files are cleaned where they are read, older result files may not be)."""
+    rows = [{k: _clean(v) for k, v in r.items()} for r in rows]
+    title = clean_text(title, None)
     if fmt == "json":
         text = json.dumps(rows if json_payload is None else json_payload, indent=2, default=str) + "\n"
     elif fmt == "csv":

@@ -33,8 +33,13 @@ def info(path, fmt) -> None:
     """Architecture, layers, experts and expert bytes of a GGUF file."""
     from engines.gguf_meta import read_meta
     from harness.analysis.tables import render
+    from harness.run.checks import model_problems
 
     m = read_meta(path)
     render([{"name": m.name, "arch": m.arch, "n_layers": m.n_layers, "moe_layers": len(m.moe_layers),
              "n_expert": m.n_expert, "n_expert_used": m.n_expert_used, "file_mib": m.file_bytes / 2**20,
              "expert_mib": m.expert_bytes() / 2**20, "fingerprint": m.fingerprint}], fmt)
+    problems = model_problems(m)
+    if problems:     # shown, not refused: info is how one looks at a broken file
+        click.echo(f"warning: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                   + "; `moebench sweep` refuses this file.", err=True)

@@ -7,6 +7,7 @@ import sys
 import click
 
 from engines.errors import UserError
+from engines.gguf_meta import clean_text
 
 FORMAT = click.option("--format", "fmt", type=click.Choice(["table", "md", "csv", "json"]), default="table",
                       show_default=True, help="Output format (json = llama-bench field names for sweeps).")
@@ -15,13 +16,14 @@ RESULTS_DIR = click.option("--results-dir", type=click.Path(file_okay=False), de
 
 
 def user_errors(f):
-    """Turn a UserError into one sentence on stderr and exit 2 (no traceback for user mistakes)."""
+    """Turn a UserError into one sentence on stderr and exit 2 (no traceback for user mistakes). One line, no
+    control characters, bounded: a message may quote a model file."""
     @functools.wraps(f)
     def wrapper(*a, **kw):
         try:
             return f(*a, **kw)
         except UserError as e:
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {clean_text(e, 2000)}", err=True)
             sys.exit(2)
     return wrapper
 

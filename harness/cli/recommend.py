@@ -31,6 +31,7 @@ def recommend(model, vram, ram, n_ctx, objective, runs, margin, engine, n_ubatch
 
     from engines.devices import free_vram
     from engines.gguf_meta import read_meta
+    from harness.run.checks import check_model
     from harness.analysis.tables import render
     from harness.planning.plan import PlanSettings, make_plan
     from harness.planning.recommend import recommend_depth, table, to_json
@@ -38,6 +39,7 @@ def recommend(model, vram, ram, n_ctx, objective, runs, margin, engine, n_ubatch
     from workloads.synth import resolve_model
 
     meta = read_meta(resolve_model(model))
+    check_model(meta)
     if vram:
         vram_b, vram_src = parse_size(vram, "--vram"), "given"
     elif (vram_b := free_vram()) is not None:

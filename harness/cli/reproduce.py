@@ -32,6 +32,7 @@ def reproduce(published_model, model_file, revision, engines, workloads, repetit
     from engines.gguf_meta import read_meta
     from harness.analysis.published import REPETITIONS, load, plan_depths, revision_key, select, workload_order
     from harness.analysis.tables import render
+    from harness.run.checks import check_model
     from harness.run.spec import SweepSpec
 
     df = select(load(), model=published_model, revision=revision)
@@ -42,6 +43,7 @@ def reproduce(published_model, model_file, revision, engines, workloads, repetit
     if not Path(model_file).exists():
         raise UserError(f"--model-file {model_file!r} does not exist; pass the path of a GGUF file.")
     meta = read_meta(model_file)
+    check_model(meta)
     depths, warning = plan_depths(sorted(set(df["n_cpu_moe"].astype(int))), meta.n_layers, clamp)
     reps_published = REPETITIONS[revision_key(df["doc_revision"].iloc[0])]
     # One repetition count for every engine keeps it one matched sweep; the larger count means

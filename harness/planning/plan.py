@@ -78,11 +78,19 @@ def model_bytes(meta: ModelMeta, s: PlanSettings) -> ModelBytes:
     return ModelBytes(non_expert, tuple(experts), kv_per_cell, cdt, kvdt, embed, state)
 
 
+def per_layer(meta: ModelMeta, key: str, default: int = 0) -> list[int]:
+    """A count that may be one number or one per layer (llama.cpp's get_key_or_arr), per layer."""
+    v = meta.get(key)
+    if isinstance(v, list):
+        return [int(x) for x in v[:meta.n_layers]] + [default] * max(0, meta.n_layers - len(v))
+    return [int(v) if isinstance(v, (int, float)) and v else default] * meta.n_layers
+
+
 def attention_shape(meta: ModelMeta) -> tuple[int, int, int, int]:
-    """(q heads, kv heads, key length, value length). Without key_length/value_length (common in
-    llama/Mixtral-style files) a head is n_embd / n_head wide, as llama.cpp assumes."""
-    n_head = int(meta.get("attention.head_count") or 0)
-    head_kv = int(meta.get("attention.head_count_kv") or n_head)
+    """(q heads, kv heads, key length, value length), the largest over the layers. Without key_length/value_length
+    (common in llama/Mixtral-style files) a head is n_embd / n_head wide, as llama.cpp assumes."""
+    n_head = max(per_layer(meta, "attention.head_count"))
+    head_kv = max(per_layer(meta, "attention.head_count_kv", n_head))
     default = int(meta.get("embedding_length") or 0) // max(n_head, 1)
     return (n_head, head_kv, int(meta.get("attention.key_length") or default),
             int(meta.get("attention.value_length") or default))
@@ -90,16 +98,20 @@ def attention_shape(meta: ModelMeta) -> tuple[int, int, int, int]:
 
 def cache_layout(meta: ModelMeta) -> tuple[list[tuple[int, int, int]], int]:
     """Per layer (kv heads, key length, value length) of the KV cache, and the recurrent state's bytes: the
-    architecture table's rules where it knows the architecture (per-layer head sizes, layers without a KV
-    cache, DeltaNet states), else the plain metadata."""
+    architecture table's rules where it knows the file (per-layer head sizes, layers without a KV cache,
+    DeltaNet states), else the plain metadata (per-layer kv head counts included)."""
     from engines.reference.archs import ARCHS
 
     if meta.arch in ARCHS:
         a = ARCHS[meta.arch]
-        h = a.parse(meta)
-        return a.cache_layout(h), a.state_bytes(h) if a.state_bytes else 0
-    _, head_kv, k_len, v_len = attention_shape(meta)
-    return [(head_kv, k_len, v_len)] * meta.n_layers, 0
+        try:
+            h = a.parse(meta)
+            return a.cache_layout(h), a.state_bytes(h) if a.state_bytes else 0
+        except UserError:          # a variant the table does not run (llama.cpp may): the metadata's numbers
+            pass
+    _, _, k_len, v_len = attention_shape(meta)
+    heads = per_layer(meta, "attention.head_count")
+    return [(kv, k_len, v_len) for kv in per_layer(meta, "attention.head_count_kv", max(heads))], 0
 
 
 def kv_cells(s: PlanSettings) -> int:
@@ -120,8 +132,8 @@ def compute_estimate(meta: ModelMeta, s: PlanSettings) -> int:
     n_ctx 256..8192, n_ubatch 64/512, flash attention on and off. The reference engine does not
     report its scratch; it is estimated like flash attention off (SDPA may materialize scores)."""
     n_embd = int(meta.get("embedding_length") or 0)
-    n_head = int(meta.get("attention.head_count") or 1)
-    n_ff = int(meta.get("expert_feed_forward_length") or meta.get("feed_forward_length") or 0)
+    n_head = max(per_layer(meta, "attention.head_count", 1))
+    n_ff = max(per_layer(meta, "expert_feed_forward_length") + per_layer(meta, "feed_forward_length"))
     n_ub, n_kv = min(s.n_ubatch, s.n_batch, s.n_ctx), kv_cells(s)
     flash = s.flash_attn in ("on", "auto") and s.engine == "llama-cpp"
     attn = n_kv * (2 if flash else 4 + 4 * n_head) + 4 * 6 * n_embd

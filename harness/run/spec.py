@@ -9,6 +9,7 @@ from engines.base import EngineSettings, parse_depth
 from engines.errors import UserError
 from engines.gguf_meta import ModelMeta, read_meta
 from engines.registry import check_available
+from harness.run.checks import check_model
 from harness.store.results import CellKey
 from workloads.grammar import DEFAULT_WORKLOADS, parse_workloads
 from workloads.synth import resolve_model
@@ -33,6 +34,7 @@ class SweepSpec:
     extra: dict = field(default_factory=dict)   # engine-specific knobs, e.g. cpu_moe_threads
     ray: str | None = None                  # Ray address (auto | ray://host:port): cells run on the cluster
     per_node: bool = False                  # with ray: every node runs every cell
+    ray_nodes: list[str] = field(default_factory=list)   # with ray: only these nodes (hostname, IP, node-id prefix)
     rounds: int | None = None               # fresh processes per cell (None: 1; with --interleave min(5, reps))
 
     def to_dict(self) -> dict:
@@ -86,6 +88,7 @@ def expand(spec: SweepSpec) -> list[Cell]:
     cells = []
     for m in spec.models:
         meta = read_meta(resolve_model(m, spec.seed))
+        check_model(meta)            # what every engine needs of the file, once, before any cell starts
         depths: dict[int, str] = {}
         for d in spec.depths:
             depths.setdefault(parse_depth(d, meta.n_layers), d)

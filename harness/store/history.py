@@ -7,6 +7,7 @@ Queries are parameterized only (no values pasted into SQL text).
 """
 from __future__ import annotations
 
+import csv
 import json
 import sqlite3
 import sys
@@ -16,6 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from engines.errors import UserError
+from engines.gguf_meta import clean_text
 from harness.stats import stats
 from harness.store import results
 from harness.store.results import KEY_FIELDS, CellKey
@@ -74,7 +76,7 @@ def load_cells(run_dir: str | Path) -> list[CellSamples]:
         for wl in workloads:
             key = {k: c.get(k, "") for k in KEY_FIELDS} | {"workload": wl, "extra": c.get("extra", "")}
             rows = [m for m in meas if m["workload"] == wl]
-            out.append(CellSamples(run.get("run_id", run_dir.name), arm, key, c["model_name"], c["depth"],
+            out.append(CellSamples(run.get("run_id", run_dir.name), arm, key, clean_text(c["model_name"]), c["depth"],
                                    c["engine_version"], c["status"], c.get("error", ""),
                                    [float(m["tokens_per_s"]) for m in rows], [float(m["ns"]) for m in rows]))
     return out
@@ -113,7 +115,7 @@ def index_run(run_dir: str | Path, db: Path | None = None) -> bool:
                                   t["n"], nan(t["median"]), nan(t["mean"]), nan(t["std"]), nan(t["min"]),
                                   nan(t["max"]), nan(n["median"]), *(c.key[k] for k in KEY_FIELDS)))
         return True
-    except (OSError, sqlite3.Error, ValueError, KeyError, UserError) as e:
+    except (OSError, sqlite3.Error, csv.Error, ValueError, KeyError, UserError) as e:
         print(f"warning: could not index {run_dir} into {db} ({e}); compare still reads the run directory.",
               file=sys.stderr)
         return False

@@ -13,9 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from engines.gguf_meta import clean_text
 from harness.stats import stats
 
 SCHEMA_VERSION = 1
+# Characters of one text field: half of Python's default csv field limit (131072), so every reader of these files
+# reads them. Model names are cut far shorter where they are read (engines.gguf_meta.TEXT_LIMIT).
+FIELD_LIMIT = 65536
 
 CELL_COLUMNS = [
     "run_id", "cell_id", "engine", "engine_version", "model", "model_name", "model_fingerprint", "arch",
@@ -74,10 +78,14 @@ class CellKey:
 
 
 def _fmt(v) -> object:
+    """A value as written: floats rounded, dicts/lists as JSON, text bounded and without control characters
+    (error text quotes engine logs, which quote the model file)."""
     if isinstance(v, float):
         return "" if math.isnan(v) else repr(round(v, 6))
     if isinstance(v, (dict, list)):
-        return json.dumps(v, sort_keys=True)
+        return json.dumps(v, sort_keys=True)       # JSON escapes control characters itself
+    if isinstance(v, str):
+        return clean_text(v, FIELD_LIMIT, lines=True)
     return "" if v is None else v
 
 
@@ -109,6 +117,8 @@ def read_csv(run_dir: Path, file: str) -> list[dict]:
     path = Path(run_dir) / file
     if not path.exists():
         return []
+    # files written before FIELD_LIMIT (or JSON fields, which are not cut) may hold longer fields
+    csv.field_size_limit(max(csv.field_size_limit(), (1 << 31) - 1))
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
 
