@@ -116,3 +116,24 @@ def test_plan_calibrates_from_a_real_sweep(tiny, tmp_path):
 def test_plan_bad_input_is_one_sentence(tiny):
     r = moebench("plan", "-m", tiny, "--ctx", "0")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--ctx" in r.stderr
+
+
+@pytest.mark.parametrize("preset, layers, per_layer", [
+    ("gpt-oss-20b", 24, 3 * 32 * 2880 * 2880 * 17 // 32 + 3 * 32 * 2880 * 4),      # MXFP4 experts + f32 biases
+    ("deepseek-v4-flash", 43, 3 * 256 * 2048 * 4096 * 17 // 32),                    # MXFP4 experts
+])
+def test_plan_of_a_full_size_model_from_its_sparse_header(tmp_path, preset, layers, per_layer):
+    """`model synth --sparse` writes a full-size model's header and tensor table, the data a hole (no disk):
+    the plan then gives the published model's expert bytes per depth."""
+    import os
+
+    out = tmp_path / f"{preset}.gguf"
+    r = moebench("model", "synth", "--preset", preset, "--sparse", "-o", out)
+    assert r.returncode == 0, r.stderr
+    assert out.stat().st_size > 10 * 2**30 and os.stat(out).st_blocks * 512 < 16 * 2**20
+    meta = read_meta(out)
+    assert meta.n_layers == layers and meta.expert_bytes(1) == per_layer
+    p = make_plan(meta, PlanSettings(engine="llama-cpp", n_ctx=8192, device="cpu"))
+    assert [p.at(n).expert_host_bytes for n in (0, 1, layers)] == [0, per_layer, layers * per_layer]
+    js = json.loads(moebench("plan", "-m", out, "--no-calibrate", "--format", "json").stdout)
+    assert js["depths"][layers]["host_bytes"] >= layers * per_layer

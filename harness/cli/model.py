@@ -12,17 +12,45 @@ def model() -> None:
 
 
 @model.command()
-@click.option("--preset", default="tiny", show_default=True, help="tiny | small | qwen3-30b-a3b-4l")
-@click.option("--dtype", default=None, help="f32 | f16 | bf16 | q8_0 | q4_0 (default: the preset's).")
+@click.option("--preset", default="tiny", show_default=True, help="A preset (`moebench model presets` lists them).")
+@click.option("--dtype", default=None,
+              help="A llama.cpp file type: f32 f16 bf16 q8_0 q4_0 q4_k_m q5_k_m q6_k iq4_xs mxfp4 (default: the "
+                   "preset's); each tensor gets the type llama-quantize gives it.")
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--sparse", is_flag=True, help="Header and tensor table only, the data a hole (for `moebench plan` "
+                                             "of the full-size models; no weights, no disk).")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
 @user_errors
-def synth(preset, dtype, seed, output) -> None:
+def synth(preset, dtype, seed, sparse, output) -> None:
     """Write a deterministic random-weight MoE GGUF (same preset + seed = same bytes)."""
     from workloads.synth import synthesize
 
-    path = synthesize(preset, output, seed=seed, dtype=dtype)
-    click.echo(f"wrote {path} ({path.stat().st_size / 2**20:,.1f} MiB)")
+    path = synthesize(preset, output, seed=seed, dtype=dtype, sparse=sparse)
+    click.echo(f"wrote {path} ({path.stat().st_size / 2**20:,.1f} MiB{', sparse' if sparse else ''})")
+
+
+@model.command()
+@user_errors
+def presets() -> None:
+    """The synthesizer's presets: architecture, layers, experts, file type, size."""
+    import math
+
+    from engines.gguf_meta import GGML_TYPES
+    from engines.reference.archs import ARCHS, PRESETS
+    from harness.analysis.tables import render
+    from workloads.synth import tensor_shapes
+    from workloads.quantize import tensor_types
+
+    rows = []
+    for name, p in PRESETS.items():
+        h, shapes = p.h, tensor_shapes(p)
+        types = tensor_types(p.dtype, shapes, h.n_layers, h.arch, n_expert=h.n_expert, n_head=h.n_head,
+                             n_head_kv=h.n_head_kv)
+        size = sum(math.prod(s) // GGML_TYPES[t][1] * GGML_TYPES[t][2] for s, t in zip(shapes.values(), types.values()))
+        rows.append({"preset": name, "arch": h.arch, "layers": h.n_layers, "n_embd": h.n_embd,
+                     "experts": f"{h.n_expert_used}/{h.n_expert}", "dtype": p.dtype, "GiB": size / 2**30,
+                     "reference engine": "no" if ARCHS[h.arch].unsupported else "yes"})
+    render(rows, title="presets (moebench model synth --preset NAME [--dtype D]; -m preset:NAME[:DTYPE])")
 
 
 @model.command()
