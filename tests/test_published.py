@@ -65,3 +65,18 @@ def test_reproduce_runs_and_reports_against_published(tiny, tmp_path):
     against = r.stdout.split("measured vs published: gpt-oss-20b")[1]
     assert "| 0 | pp4096 | " in against and "pp4096 not run (ran pp16, tg4)" in against
     assert "depth 6 \\> the measured model's 4 layers" in against          # Markdown-escaped >
+
+
+def test_reproduce_names_the_qwen35_layer_count_the_table_got_wrong(tmp_path):
+    """The published Qwen3.5-35B-A3B table runs to depth 48 but the checkpoint has 40 layers: one sentence says
+    so (with the fix), and --clamp maps 48 to 40. A sparse full-size file stands in for the real one."""
+    f = tmp_path / "q35.gguf"
+    assert moebench("model", "synth", "--preset", "qwen3.5-35b-a3b", "--sparse", "-o", f).returncode == 0
+    r = moebench("reproduce", "--published-model", "Qwen3.5-35B-A3B", "--model-file", f, "--dry-run")
+    assert r.returncode == 2 and r.stderr.count("error:") == 1 and "Traceback" not in r.stderr
+    assert "48 MoE layers, but its checkpoint has 40" in r.stderr and "--clamp" in r.stderr
+    r = moebench("reproduce", "--published-model", "Qwen3.5-35B-A3B", "--model-file", f, "--dry-run", "--clamp",
+                 "--format", "json")
+    assert r.returncode == 0 and "depths 48 clamped to 40" in r.stderr
+    plan = {row["item"]: row["value"] for row in json.loads(r.stdout)}
+    assert plan["n_cpu_moe"].split(", ")[-1] == "40"

@@ -160,14 +160,22 @@ def against_rows(df, a: str, b: str, measured: Getter, n_layers: int, measured_w
 
 # --- reproduce ------------------------------------------------------------------------------------
 
-def plan_depths(published_depths: list[int], n_layers: int, clamp: bool) -> tuple[list[int], str]:
+# Published layer counts that the checkpoints contradict (../shared/published/model_shapes.md)
+LAYER_NOTES = {"Qwen3.5-35B-A3B": "the published table gives Qwen3.5-35B-A3B 48 MoE layers, but its checkpoint has "
+                                  "40; 48 is Qwen3.5-122B-A10B's count"}
+
+
+def plan_depths(published_depths: list[int], n_layers: int, clamp: bool, model: str = "") -> tuple[list[int], str]:
     """The depths to run on a file with n_layers layers, and a warning ('' if none).
     Depths beyond the file are an error unless clamp: then they become n_layers (deduplicated)."""
     over = [d for d in published_depths if d > n_layers]
     if not over:
         return published_depths, ""
+    why = LAYER_NOTES.get(model, "")
     if not clamp:
-        raise UserError(f"Published depths {', '.join(map(str, over))} exceed the model file's {n_layers} layers; "
-                        f"pass the published model's GGUF, or --clamp to run them at {n_layers} (all layers).")
+        raise UserError(f"Published depths {', '.join(map(str, over))} exceed the model file's {n_layers} layers"
+                        + (f" ({why})" if why else "")
+                        + f"; pass the published model's GGUF, or --clamp to run them at {n_layers} (all layers).")
     depths = sorted({min(d, n_layers) for d in published_depths})
-    return depths, f"warning: depths {', '.join(map(str, over))} clamped to {n_layers} (the file's layer count)."
+    return depths, (f"warning: depths {', '.join(map(str, over))} clamped to {n_layers} (the file's layer count"
+                    + (f"; {why}" if why else "") + ").")

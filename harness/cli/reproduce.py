@@ -44,7 +44,7 @@ def reproduce(published_model, model_file, revision, engines, workloads, repetit
         raise UserError(f"--model-file {model_file!r} does not exist; pass the path of a GGUF file.")
     meta = read_meta(model_file)
     check_model(meta)
-    depths, warning = plan_depths(sorted(set(df["n_cpu_moe"].astype(int))), meta.n_layers, clamp)
+    depths, warning = plan_depths(sorted(set(df["n_cpu_moe"].astype(int))), meta.n_layers, clamp, df["model"].iloc[0])
     reps_published = REPETITIONS[revision_key(df["doc_revision"].iloc[0])]
     # One repetition count for every engine keeps it one matched sweep; the larger count means
     # neither side gets fewer best-of tries than it had in the document.
