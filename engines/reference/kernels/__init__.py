@@ -70,8 +70,9 @@ def load():
     build = cache_dir() / "kernels" / f"torch-{torch.__version__}"   # a build per torch ABI
     build.mkdir(parents=True, exist_ok=True)
     try:
-        return load_inline("moebench_bf16_kernels", cpp_sources=SOURCE.read_text(), functions=FUNCTIONS, build_directory=str(build),
-                           extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"], extra_ldflags=["-fopenmp"])
+        return load_inline("moebench_bf16_kernels", cpp_sources=SOURCE.read_text(), functions=FUNCTIONS,
+                           build_directory=str(build), extra_ldflags=["-fopenmp"],
+                           extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"])
     except Exception as e:   # no compiler, no ninja, ...: decode keeps ATen's GEMV
         return f"compile failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
@@ -167,7 +168,8 @@ def pick_isa(flags: frozenset[str] | None = None) -> str:
     for isa in ("avx512", "avx2"):
         if not missing_flags(isa, flags):
             return isa
-    raise ValueError(f"the quant kernels need at least AVX2, FMA and F16C; the CPU lacks {', '.join(missing_flags('avx2', flags))}")
+    raise ValueError("the quant kernels need at least AVX2, FMA and F16C; the CPU lacks "
+                     + ", ".join(missing_flags("avx2", flags)))
 
 
 @functools.cache
@@ -183,7 +185,8 @@ def load_quant(isa: str):
     build.mkdir(parents=True, exist_ok=True)
     try:
         return load(f"moebench_quant_{isa}", [str(QUANT_SOURCE)], extra_cflags=QUANT_CFLAGS + ISAS[isa][1],
-                    extra_ldflags=["-fopenmp"], extra_include_paths=[str(QUANT_SOURCE.parent)], build_directory=str(build))
+                    extra_ldflags=["-fopenmp"], extra_include_paths=[str(QUANT_SOURCE.parent)],
+                    build_directory=str(build))
     except Exception as e:   # no compiler, no ninja, ...
         return f"compile failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
@@ -200,28 +203,29 @@ def quant_kernels(isa: str | None = None) -> "QuantKernels | str":
 
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
-ROWS_MAX_N = 4   # matmul: up to this many x rows, matmul_rows; more: dequantized tiles + GEMM
+# matmul: the most x rows that go to the rows kernel (every weight row read once for all of them, int8
+# dots for quantized types); more rows go to dequantized tiles and ATen's GEMM. Crossovers measured on
+# 2 Zen 5 threads, 4096 x 4096 (benchmarks/kernels.py): avx2's int8 rows kernel (~250 GFLOP/s) beats
+# dequant + f32 GEMM (~200) at every n up to 512; on avx512 oneDNN's bf16 GEMM (~850 at n = 512)
+# overtakes the rows kernel (~430) past n = 32, and already at n = 3..4 for F16 and BF16 weights
+# (nothing to gain from int8 there); F32's f32 rows kernel loses to the f32 GEMM past n = 32.
+ROWS_MAX_N = {"avx2": {"F32": 32, "F16": 32, "BF16": 32, "quant": 1 << 62},
+              "avx512": {"F32": 32, "F16": 3, "BF16": 2, "quant": 32}}
 
 
 def _raw(qt: QTensor, what: str) -> torch.Tensor:
-    """qt's bytes, after checking that they are what its type and shape say (GGUF files are untrusted)."""
+    """qt's bytes, after checking that they are what its type and shape say (GGUF files are untrusted).
+    The extension checks the rest of what it reads (a 1-D contiguous CPU tensor, sizes in bounds, x)."""
     if qt.type not in TYPES:
         raise ValueError(f"{what}: ggml type {qt.type!r} has no kernel ({', '.join(TYPES)})")
-    r = qt.raw
-    if not (isinstance(r, torch.Tensor) and r.dtype == torch.uint8 and r.dim() == 1 and r.is_contiguous() and r.device.type == "cpu"):
-        raise ValueError(f"{what}: raw must be a 1-D contiguous uint8 CPU tensor")
     block = TYPES[qt.type][1]
     if len(qt.shape) < 1 or min(qt.shape) < 1 or qt.k % block:
         raise ValueError(f"{what}: shape {qt.shape} is not rows of whole {qt.type} blocks of {block}")
-    if r.numel() != expected_bytes(qt.type, qt.shape):
-        raise ValueError(f"{what}: {r.numel()} bytes, but {qt.type} {qt.shape} takes {expected_bytes(qt.type, qt.shape)}")
+    r = qt.raw
+    if r.dtype != torch.uint8 or r.numel() != expected_bytes(qt.type, qt.shape):
+        raise ValueError(f"{what}: {r.numel()} {r.dtype} values, but {qt.type} {qt.shape} takes "
+                         f"{expected_bytes(qt.type, qt.shape)} bytes")
     return r
-
-
-def _x(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
-    if not (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() >= 1 and x.shape[-1] == k):
-        raise ValueError(f"{what}: f32 CPU tensor with last dim {k}, got {getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
-    return x
 
 
 class QuantKernels:
@@ -235,20 +239,22 @@ class QuantKernels:
     def matvec(self, qt: QTensor, x: torch.Tensor) -> torch.Tensor:
         """W x for one activation row: x (K,) or (1, K) f32 -> (N,) or (1, N) f32."""
         raw = _raw(qt, "weight")
-        if len(qt.shape) != 2 or _x(x, qt.k, "x").numel() != qt.k:
-            raise ValueError(f"matvec: a (N, K) weight and one row of K values, got {qt.shape} and {tuple(x.shape)}")
+        if len(qt.shape) != 2:
+            raise ValueError(f"matvec: a (N, K) weight, got {qt.shape}")
         return self.ext.matvec(raw, 0, qt.code, qt.n_rows, qt.k, x).reshape(*x.shape[:-1], qt.n_rows)
 
     def matmul(self, qt: QTensor, x: torch.Tensor, rows_max_n: int | None = None) -> torch.Tensor:
-        """x W^T: x (..., K) f32 -> (..., N) f32. Up to rows_max_n rows (default ROWS_MAX_N) every weight
-        row is read once for all of them, with int8 x (quantized types); more rows go through
-        per-tile dequantized scratch and the GEMM (f32; bf16 on the avx512 variant, whose results
-        are then rounded to bf16 once)."""
+        """x W^T: x (..., K) f32 -> (..., N) f32. Up to rows_max_n rows (default: ROWS_MAX_N for the
+        variant and type) every weight row is read once for all of them, with int8 x for quantized
+        types (as matvec); more rows go through per-tile dequantized scratch and ATen's GEMM (f32;
+        bf16 on the avx512 variant, x and results then rounded to bf16)."""
         raw = _raw(qt, "weight")
         if len(qt.shape) != 2:
             raise ValueError(f"matmul: a (N, K) weight, got {qt.shape}")
-        _x(x, qt.k, "x")
-        y = self.ext.matmul(raw, 0, qt.code, qt.n_rows, qt.k, x, ROWS_MAX_N if rows_max_n is None else rows_max_n)
+        if rows_max_n is None:
+            limits = ROWS_MAX_N[self.isa]
+            rows_max_n = limits.get(qt.type, limits["quant"])
+        y = self.ext.matmul(raw, 0, qt.code, qt.n_rows, qt.k, x, rows_max_n)
         return y.reshape(*x.shape[:-1], qt.n_rows)
 
     def dequant(self, qt: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -266,7 +272,8 @@ class QuantKernels:
                    gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
                    down_bias: torch.Tensor | None = None) -> torch.Tensor:
         """One token's routed experts: sum_j w_j (down_e act(gate_e x + gate_bias_e, up_e x + up_bias_e)
-        + down_bias_e), e = ids_j. x (D,) or (1, D) f32 -> the same shape; ids, w: k values each.
+        + down_bias_e), e = ids_j. x (D,) or (1, D) f32 -> the same shape; ids (integers in [0, E),
+        checked by the extension), w: k values each.
         gate, up: (E, ff, D) stacks, or up None and gate the fused (E, 2 ff, D) gate_up (gate rows
         first); down (E, D, ff); biases f32 (E, ff), (E, ff), (E, D). act: silu (silu(g) u), gelu
         (ggml's tanh GELU(g) u) or swiglu_oai (gpt-oss: g = min(g, limit), u = clamp(u, +-limit),
@@ -291,12 +298,11 @@ class QuantKernels:
             urow = (_raw(up, "up"), 0, ff * up.row_bytes, up.code)
         if down.shape != (E, D, ff):
             raise ValueError(f"moe_decode: down {down.shape}, expected {(E, D, ff)}")
-        _x(x, D, "x")
-        if x.numel() != D or ids.numel() != w.numel() or ids.numel() < 1 or ids.dim() > 2 or ids.dtype.is_floating_point:
-            raise ValueError(f"moe_decode: one row x, integer ids and w of the same length, got {tuple(x.shape)}, {tuple(ids.shape)}, {tuple(w.shape)}")
-        if int(ids.min()) < 0 or int(ids.max()) >= E:
-            raise ValueError(f"moe_decode: expert ids must lie in [0, {E})")
-        for b, shape, what in ((gate_bias, (E, ff), "gate_bias"), (up_bias, (E, ff), "up_bias"), (down_bias, (E, D), "down_bias")):
+        if x.numel() != D or ids.numel() != w.numel() or ids.numel() < 1 or ids.dtype.is_floating_point:
+            raise ValueError(f"moe_decode: one row x, integer ids and w of the same length, got x {tuple(x.shape)}, "
+                             f"ids {tuple(ids.shape)}, w {tuple(w.shape)}")
+        for b, shape, what in ((gate_bias, (E, ff), "gate_bias"), (up_bias, (E, ff), "up_bias"),
+                               (down_bias, (E, D), "down_bias")):
             if b is not None and (b.dtype != torch.float32 or tuple(b.shape) != shape):
                 raise ValueError(f"moe_decode: {what} must be f32 {shape}, got {b.dtype} {tuple(b.shape)}")
         y = self.ext.moe_decode(x, ids, w, E, ff, *grow, *urow, draw, 0, D * down.row_bytes, down.code,

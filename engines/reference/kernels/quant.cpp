@@ -1,15 +1,16 @@
 // Products with GGUF weights as stored (engines/reference/qtensor.py): no float copy of a matrix is
 // ever made, only a per-tile scratch in matmul. A weight is (raw uint8 bytes, byte offset, ggml type,
 // n_rows, k): n_rows rows of k values, each row k / block * block_bytes bytes, one after another.
-// Block-quantized types multiply with x quantized to int8 per 32 values (quant_kernels.h quantize_x);
+// Block-quantized types multiply with x quantized to int8 per 32 values (quant_simd.h quantize_x);
 // F32/F16/BF16 with x in f32. Rows are split over torch's intra-op threads (at::parallel_for).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <algorithm>
+#include <utility>
 #include <vector>
 
-#include "quant_kernels.h"
+#include "quant_types.h"
 
 namespace {
 using namespace qk;
@@ -17,25 +18,34 @@ using namespace qk;
 using DotFn = void (*)(const uint8_t*, int64_t, const XRow*, float*);
 using RowFn = void (*)(const uint8_t*, int64_t, float*);
 
-// A ggml type's kernels: dot[n - 1] multiplies a row with n = 1..4 activation rows.
+// Activation rows one weight row is multiplied with at once: the accumulators fill 16 registers
+// (avx2), 32 (avx512).
+#ifdef __AVX512F__
+constexpr int NX_MAX = 8;
+#else
+constexpr int NX_MAX = 4;
+#endif
+
+// A ggml type's kernels: dot[n - 1] multiplies a row with n = 1..NX_MAX activation rows.
 struct Kernel {
   int64_t qk, bytes;
   bool quant_x;
-  DotFn dot[4];
+  DotFn dot[NX_MAX];
   RowFn dequant_row;
 };
 
-template <class T> Kernel kernel() {
-  return {T::QK, T::BYTES, T::QUANT_X, {&T::template dot<1>, &T::template dot<2>, &T::template dot<3>, &T::template dot<4>}, &T::dequant_row};
+template <class T, size_t... N> Kernel kernel(std::index_sequence<N...>) {
+  return {T::QK, T::BYTES, T::QUANT_X, {&T::template dot<N + 1>...}, &T::dequant_row};
 }
+template <class T> Kernel kernel() { return kernel<T>(std::make_index_sequence<NX_MAX>()); }
 
 enum : int64_t { GGML_F32 = 0, GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13,
                  GGML_Q6_K = 14, GGML_IQ4_XS = 23, GGML_BF16 = 30, GGML_MXFP4 = 39 };
 
 const Kernel& kernel_of(int64_t type) {
-  static const Kernel f32 = kernel<F32>(), f16 = kernel<F16>(), bf16 = kernel<BF16>(), q8_0 = kernel<Q8_0>(),
-                      q4_0 = kernel<Q4_0>(), mxfp4 = kernel<MXFP4>(), q4_k = kernel<Q4_K>(), q5_k = kernel<Q5_K>(),
-                      q6_k = kernel<Q6_K>(), iq4_xs = kernel<IQ4_XS>();
+  static const Kernel f32 = kernel<F32>(), f16 = kernel<F16>(), bf16 = kernel<BF16>(), q8_0 = kernel<Units<Q8_0>>(),
+                      q4_0 = kernel<Units<Q4_0>>(), mxfp4 = kernel<Units<MXFP4>>(), q4_k = kernel<Units<Q4_K>>(),
+                      q5_k = kernel<Units<Q5_K>>(), q6_k = kernel<Q6_K>(), iq4_xs = kernel<Units<IQ4_XS>>();
   switch (type) {
     case GGML_F32: return f32;       case GGML_F16: return f16;       case GGML_BF16: return bf16;
     case GGML_Q8_0: return q8_0;     case GGML_Q4_0: return q4_0;     case GGML_MXFP4: return mxfp4;
@@ -68,24 +78,21 @@ Weight weight(const at::Tensor& raw, int64_t off, int64_t type, int64_t n, int64
   return {&kern, raw.data_ptr<uint8_t>() + off, n, k, rb, stride};
 }
 
-// Activation rows as the kernels take them: n rows of k floats, quantized when `quant` (k % 32 == 0).
+// Activation rows as the kernels take them: n rows of k floats (the caller keeps them), and when
+// `quant` (k % 32 == 0) their int8 form: per row k q, k/32 d and s, k/16 s16.
 struct Acts {
   std::vector<XRow> rows;
   std::vector<int8_t> q;
-  std::vector<float> ds;       // d then s, per row
+  std::vector<float> d, s;
   std::vector<int16_t> s16;
   Acts(const float* x, int64_t n, int64_t k, bool quant) : rows(n) {
-    if (quant) { q.resize(n * k); ds.resize(n * k / 16); s16.resize(n * k / 16); }
-    for (int64_t r = 0; r < n; ++r) {
-      XRow& xr = rows[r];
-      xr.f = x + r * k;
-      if (!quant) continue;
-      xr.q = q.data() + r * k;
-      xr.d = ds.data() + r * k / 16;
-      xr.s = xr.d + k / 32;
-      xr.s16 = s16.data() + r * k / 16;
-      quantize_x(xr.f, k, q.data() + r * k, ds.data() + r * k / 16, ds.data() + r * k / 16 + k / 32, s16.data() + r * k / 16);
-    }
+    if (quant) { q.resize(n * k); d.resize(n * k / 32); s.resize(n * k / 32); s16.resize(n * k / 16); }
+    for (int64_t r = 0; r < n; ++r)
+      rows[r] = quant ? XRow{x + r * k, &q[r * k], &d[r * k / 32], &s[r * k / 32], &s16[r * k / 16]} : XRow{x + r * k};
+    if (quant)
+      at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) quantize_x(x + r * k, k, &q[r * k], &d[r * k / 32], &s[r * k / 32], &s16[r * k / 16]);
+      });
   }
 };
 
@@ -111,21 +118,19 @@ at::Tensor matvec(at::Tensor raw, int64_t off, int64_t type, int64_t n_rows, int
   return y;
 }
 
-// rows (n_rows, k) of W into out (n_rows, k) f32 or bf16, contiguous: bit-exact ggml dequantize_row_*
-// (bf16: rounded to nearest even from those f32 values).
+// rows r0..r0+n-1 of W into out (n, k) f32 or bf16, contiguous: bit-exact ggml dequantize_row_*
+// (bf16: those f32 values rounded to nearest even).
 void dequant_rows(const Weight& w, int64_t r0, int64_t n, at::Tensor& out) {
   const bool bf = out.scalar_type() == at::kBFloat16;
   at::parallel_for(0, n, GRAIN, [&](int64_t b, int64_t e) {
     std::vector<float> tmp(bf ? w.k : 0);
     for (int64_t r = b; r < e; ++r) {
-      if (!bf) { w.kern->dequant_row(w.row(r0 + r), w.k, out.data_ptr<float>() + r * w.k); continue; }
+      if (!bf) {
+        w.kern->dequant_row(w.row(r0 + r), w.k, out.data_ptr<float>() + r * w.k);
+        continue;
+      }
       w.kern->dequant_row(w.row(r0 + r), w.k, tmp.data());
-      at::BFloat16* o = out.data_ptr<at::BFloat16>() + r * w.k;
-      int64_t i = 0;
-#ifdef __AVX512BF16__
-      for (; i + 16 <= w.k; i += 16) _mm256_storeu_si256((__m256i*)(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(tmp.data() + i)));
-#endif
-      for (; i < w.k; ++i) o[i] = at::BFloat16(tmp[i]);
+      to_bf16(tmp.data(), (uint16_t*)out.data_ptr<at::BFloat16>() + r * w.k, w.k);
     }
   });
 }
@@ -144,16 +149,20 @@ const bool BF16_GEMM = true;
 const bool BF16_GEMM = false;
 #endif
 
-// n activation rows at once: each weight row is read from memory once, dot<4> reuses its decoded
-// blocks for 4 x rows. out (n, n_rows).
+// n activation rows at once: each weight row is read from memory once, and each dot decodes its
+// blocks once for NX_MAX x rows. Blocks of ROWS weight rows stay in L2 while every x group passes
+// by, so x (n k bytes, past L2 for large n) is read n_rows / ROWS times, not n_rows. out (n, n_rows).
 void matmul_rows(const Weight& w, const Acts& a, int64_t n, float* out) {
+  const int64_t ROWS = 16;
   at::parallel_for(0, w.n, GRAIN, [&](int64_t b, int64_t e) {
-    float y[4];
-    for (int64_t r = b; r < e; ++r)
-      for (int64_t i = 0; i < n; i += 4) {
-        const int64_t m = std::min<int64_t>(4, n - i);
-        w.kern->dot[m - 1](w.row(r), w.k, a.rows.data() + i, y);
-        for (int64_t j = 0; j < m; ++j) out[(i + j) * w.n + r] = y[j];
+    float y[NX_MAX];
+    for (int64_t r0 = b; r0 < e; r0 += ROWS)
+      for (int64_t i = 0; i < n; i += NX_MAX) {
+        const int64_t m = std::min<int64_t>(NX_MAX, n - i);
+        for (int64_t r = r0; r < std::min(e, r0 + ROWS); ++r) {
+          w.kern->dot[m - 1](w.row(r), w.k, a.rows.data() + i, y);
+          for (int64_t j = 0; j < m; ++j) out[(i + j) * w.n + r] = y[j];
+        }
       }
   });
 }
@@ -170,13 +179,15 @@ at::Tensor matmul(at::Tensor raw, int64_t off, int64_t type, int64_t n_rows, int
     matmul_rows(w, Acts(x.data_ptr<float>(), n, k, w.kern->quant_x), n, out.data_ptr<float>());
     return out;
   }
+  // F32 and BF16 weights as they are: a view of the bytes (when aligned for the element type)
   const auto whole = [&](at::ScalarType t) {
     return at::from_blob((void*)w.base, {n_rows, k}, at::TensorOptions().dtype(t));
   };
-  if (type == GGML_F32) return at::mm(x, whole(at::kFloat).t());
+  const bool aligned = reinterpret_cast<uintptr_t>(w.base) % w.kern->bytes == 0;
+  if (type == GGML_F32 && aligned) return at::mm(x, whole(at::kFloat).t());
   const at::ScalarType st = BF16_GEMM ? at::kBFloat16 : at::kFloat;
   const at::Tensor xs = x.to(st);
-  if (type == GGML_BF16 && BF16_GEMM) return at::mm(xs, whole(at::kBFloat16).t()).to(at::kFloat);
+  if (type == GGML_BF16 && BF16_GEMM && aligned) return at::mm(xs, whole(at::kBFloat16).t()).to(at::kFloat);
   auto out = at::empty({n, n_rows}, x.options());
   // ~4 MiB of scratch: the GEMM reads it from L3 right after the dequant wrote it
   const int64_t tile = std::max<int64_t>(64, (4 << 20) / (k * at::elementSize(st)) / 64 * 64);
@@ -240,7 +251,8 @@ at::Tensor moe_decode(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_ex
   const float lim = (float)limit, al = (float)alpha;
   for (int64_t j = 0; j < K; ++j)
     for (int64_t i = 0; i < ff; ++i) {
-      float g = h[j * 2 * ff + i] + (gb ? gb[id[j] * ff + i] : 0.f), u = h[j * 2 * ff + ff + i] + (ub ? ub[id[j] * ff + i] : 0.f);
+      float g = h[j * 2 * ff + i] + (gb ? gb[id[j] * ff + i] : 0.f);
+      float u = h[j * 2 * ff + ff + i] + (ub ? ub[id[j] * ff + i] : 0.f);
       if (act == 0) a[j * ff + i] = g / (1.f + std::exp(-g)) * u;
       else if (act == 1) a[j * ff + i] = gelu_tanh(g) * u;
       else {
