@@ -113,3 +113,23 @@ def test_a_type_without_kernels_is_one_sentence(tmp_path):
     with pytest.raises(UserError, match=r"stored as Q5_0, which the reference engine does not compute with; "
                                         r"supported: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_XS, MXFP4"):
         ReferenceEngine().load(path, EngineSettings(n_ctx=32))
+
+
+def test_both_engines_hold_the_same_expert_bytes_in_host_ram(models, tmp_path):
+    """A real sweep of both engines on a quantized file: at every depth the two hold exactly the same routed-expert
+    bytes in host RAM (cells.csv), so the report's fairness section has no expert-bytes row."""
+    import pandas as pd
+
+    from tests.conftest import moebench
+
+    r = moebench("sweep", "-m", models["q4_k_m"], "-e", "reference,llama-cpp", "--n-cpu-moe", "0,2,all", "-w", "pp16",
+                 "-r", "1", "--threads", "2", "--sample-ms", "0", "--results-dir", tmp_path / "res")
+    assert r.returncode == 0, r.stderr[-2000:]
+    run = next((tmp_path / "res").glob("2*"))
+    cells = pd.read_csv(run / "cells.csv")
+    assert (cells["status"] == "ok").all()
+    per = cells.pivot(index="n_cpu_moe", columns="engine", values="expert_bytes_host")
+    assert per["reference"].tolist() == per["llama-cpp"].tolist() == [read_meta(models["q4_k_m"]).expert_bytes(n)
+                                                                      for n in (0, 2, 4)]
+    r = moebench("report", run, "-o", tmp_path / "rep", "--format", "md")
+    assert r.returncode == 0 and "expert_bytes_host" not in r.stdout
