@@ -36,3 +36,13 @@ def sigint_default() -> None:
 def run_dir_of(result: subprocess.CompletedProcess) -> Path:
     """The run directory a `moebench sweep` printed last on stderr ("results: DIR")."""
     return Path(result.stderr.strip().splitlines()[-1].removeprefix("results: "))
+
+
+def greedy(engine, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens from a loaded in-process engine: prefill the prompt, then decode each argmax."""
+    engine.prefill(prompt)
+    out = [int(engine.logits()[-1].argmax())]
+    for _ in range(n - 1):
+        engine.decode(out[-1])
+        out.append(int(engine.logits()[-1].argmax()))
+    return out

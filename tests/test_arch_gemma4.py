@@ -21,6 +21,7 @@ from engines.base import EngineSettings, expert_layer
 from engines.errors import UserError
 from engines.reference.engine import ReferenceEngine
 from workloads.synth import PRESETS, synthesize, tensor_shapes, write_metadata
+from tests import conftest
 
 PRESET = PRESETS["gemma4-tiny"]
 H = PRESET.h
@@ -156,13 +157,7 @@ def test_iq4_xs_top1_matches_llama_cpp_where_clear(files, llama, depth):
 
 
 def greedy(path: Path, depth: int, n: int = 20) -> list[int]:
-    e = engine(path, depth, logits_all=False)
-    e.prefill(PROMPT[:40])
-    out = [int(e.logits()[-1].argmax())]
-    for _ in range(n - 1):
-        e.decode(out[-1])
-        out.append(int(e.logits()[-1].argmax()))
-    return out
+    return conftest.greedy(engine(path, depth, logits_all=False), PROMPT[:40], n)
 
 
 def test_greedy_continuation_identical_at_depths_0_half_all(files):

@@ -16,6 +16,7 @@ from engines.gguf_meta import read_meta
 from engines.reference.archs.common import write_common
 from engines.reference.engine import ReferenceEngine
 from workloads.synth import PRESETS, synthesize, tensor_shapes
+from tests import conftest
 
 P = PRESETS["gpt-oss-tiny"]
 H = P.h
@@ -126,13 +127,7 @@ def test_the_clamp_of_swiglu_oai_is_exercised(files):
 
 
 def greedy(path: Path, depth: int, n: int = 16) -> list[int]:
-    e = load(path, depth, logits_all=False)
-    e.prefill(PROMPT)
-    out = [int(e.logits()[-1].argmax())]
-    for _ in range(n - 1):
-        e.decode(out[-1])
-        out.append(int(e.logits()[-1].argmax()))
-    return out
+    return conftest.greedy(load(path, depth, logits_all=False), PROMPT, n)
 
 
 def test_greedy_continuation_identical_at_depths_0_half_all_and_to_llama_cpp(files):

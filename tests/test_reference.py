@@ -9,6 +9,7 @@ from engines.base import EngineSettings
 from engines.errors import UserError
 from engines.reference.engine import ReferenceEngine
 from workloads.synth import PRESETS, preset, synthesize, tensor_shapes, write_metadata
+from tests import conftest
 
 # llama.cpp keeps its KV cache in f16, so its f32-file logits differ from ours by ~2e-3 (logits are
 # O(4) here); 2e-2 is ten times that and still far below the gap between the top two tokens.
@@ -66,12 +67,7 @@ def test_logits_match_llama_cpp_at_depth_0_and_all(models, arch):
 def greedy(path: Path, depth: int, n: int = 32) -> list[int]:
     e = ReferenceEngine()
     e.load(path, EngineSettings(n_cpu_moe=depth, n_ctx=128, n_ubatch=16, threads=2))
-    e.prefill(PROMPT[:8])
-    out = [int(e.logits()[-1].argmax())]
-    for _ in range(n - 1):
-        e.decode(out[-1])
-        out.append(int(e.logits()[-1].argmax()))
-    return out
+    return conftest.greedy(e, PROMPT[:8], n)
 
 
 def test_greedy_continuation_identical_at_depths_0_half_all(models):

@@ -12,6 +12,7 @@ from engines.errors import UserError
 from engines.gguf_meta import read_meta
 from engines.reference.engine import ReferenceEngine
 from workloads.synth import PRESETS, preset, synthesize
+from tests import conftest
 
 # qwen3moe with rows of 256 (whole K-quant blocks), 4 layers, 8 experts top-2
 BASE = preset(PRESETS["tiny"], n_embd=256, n_head=4, head_dim=64, n_ff_exp=256, n_vocab=512)
@@ -50,12 +51,7 @@ def reference(path, depth: int, tokens=PROMPT, **extra) -> tuple[np.ndarray, Ref
 def greedy(path, depth: int, n: int = 24) -> list[int]:
     e = ReferenceEngine()
     e.load(path, EngineSettings(n_cpu_moe=depth, n_ctx=128, n_ubatch=16, threads=2))
-    e.prefill(PROMPT[:8])
-    out = [int(e.logits()[-1].argmax())]
-    for _ in range(n - 1):
-        e.decode(out[-1])
-        out.append(int(e.logits()[-1].argmax()))
-    return out
+    return conftest.greedy(e, PROMPT[:8], n)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
