@@ -14,12 +14,18 @@ ISA variant, next to the machine's read bandwidth and llama.cpp's own CPU kernel
 - moe_decode: GB/s of the expert bytes one token reads, on Qwen3-30B-A3B and gpt-oss-20b shapes.
 - matmul: GFLOP/s for n = 16, 64, 512 activation rows against ATen's f32 GEMM (and bf16 where the
   CPU has avx512_bf16) on the same shape as a float tensor.
+- --engine f16,q8_0,q4_k_m,mxfp4: instead of the tables above, the whole reference engine on
+  preset:small files of those types, on each ISA variant, next to llama.cpp (engines.llama_cpp): load
+  with n_ctx 1024, 2 threads, n_ubatch 512, warm up, then --reps times pp512 (prefill 512 tokens into an
+  empty cache) and tg64 (64 single-token decodes after 8 prompt tokens); one process per engine, variant
+  and type (MOEBENCH_ISA picks the variant), run one after another per type.
 Variants run interleaved inside each repetition, so machine drift falls on all of them; figures
-are the median (and best) over repetitions.
+are the median (and best) over repetitions. On a 2-core machine, measure only while nothing else runs.
 
     .venv/bin/python benchmarks/kernels.py [--types Q4_K,Q6_K] [--isa avx2,avx512] [--threads 1,2]
         [--reps 7] [--shape 4096x4096] [--matmul-types Q4_K,Q8_0,MXFP4,BF16] [--no-matmul] [--no-moe]
         [--no-ggml] [--ggml-lib DIR]
+    .venv/bin/python benchmarks/kernels.py --engine f16,q8_0,q4_k_m,mxfp4 [--isa avx2,avx512] [--reps 5]
 """
 from __future__ import annotations
 
@@ -36,10 +42,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from engines import devices  # noqa: E402
 from engines.reference import kernels  # noqa: E402
-from engines.reference.qtensor import TYPES, QTensor  # noqa: E402
+from engines.reference.qtensor import COMPUTED, TYPES, QTensor  # noqa: E402
 
-ALL = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "MXFP4", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
+ALL = list(COMPUTED)
 GGML_TYPE_Q8_K = 15
 
 # one thread timing a ggml vec_dot over every row (ctypes would add ~1 us a row)
@@ -172,7 +179,7 @@ def bench_matmul(args, qks: dict, gg: Ggml):
     threads = max(args.threads)
     torch.set_num_threads(threads)
     rng = np.random.default_rng(1)
-    bf16 = kernels.cpu_has_avx512_bf16()
+    bf16 = "avx512_bf16" in devices.cpu_flags()
     print(f"\nmatmul (n, {K}) x ({N}, {K})^T, {threads} threads: GFLOP/s median (best) of {args.reps}; "
           f"ATen GEMM on the same shape as a float tensor for reference")
     for n in (16, 64, 512):
@@ -231,6 +238,61 @@ def bench_moe(args, qks: dict, gg: Ggml):
                   flush=True)
 
 
+def engine_cell(engine: str, dtype: str, reps: int) -> dict:
+    """One engine on preset:small:<dtype> in this process: median and best pp512 / tg64 tok/s."""
+    from engines.base import EngineSettings
+    from workloads.synth import resolve_model
+    if engine == "llama-cpp":
+        from engines.llama_cpp import LlamaCppEngine as E
+    else:
+        from engines.reference.engine import ReferenceEngine as E
+    e = E()
+    e.load(resolve_model(f"preset:small:{dtype}"), EngineSettings(n_ctx=1024, threads=2, n_ubatch=512, n_batch=512))
+    toks = [int(t) for t in np.random.default_rng(0).integers(1, 4000, 512)]
+
+    def pp() -> float:
+        e.reset()
+        t0 = time.perf_counter()
+        e.prefill(toks)
+        return len(toks) / (time.perf_counter() - t0)
+
+    def tg(n: int = 64) -> float:
+        e.reset()
+        e.prefill(toks[:8])
+        t0 = time.perf_counter()
+        for t in toks[8:8 + n]:
+            e.decode(t)
+        return n / (time.perf_counter() - t0)
+
+    pp(), tg(8)
+    p, g = zip(*[(pp(), tg()) for _ in range(reps)])
+    isa = e.info().extra.get("cpu_isa", "") if engine == "reference" else ""
+    e.close()
+    return {"isa": isa, "pp": statistics.median(p), "pp_best": max(p), "tg": statistics.median(g), "tg_best": max(g)}
+
+
+def bench_engine(args, isas: list[str]):
+    import json
+    import os
+    import subprocess
+    print(f"\npreset:small (qwen3moe, 8 layers, n_embd 1024, 32 experts top-4), 2 threads: tok/s median (best) "
+          f"of {args.reps}")
+    print(f"{'type':7s} {'engine':16s} {'pp512':>16s} {'tg64':>16s}")
+    for dtype in args.engine.split(","):
+        for engine, isa in [("reference", i) for i in isas] + [("llama-cpp", "")]:
+            env = dict(os.environ, PYTHONPATH=str(ROOT)) | ({"MOEBENCH_ISA": isa} if isa else {})
+            r = subprocess.run([sys.executable, __file__, "--engine-cell", f"{engine}:{dtype}",
+                                "--reps", str(args.reps)],
+                               env=env, capture_output=True, text=True, cwd=ROOT)
+            if r.returncode:
+                print(f"{dtype:7s} {engine:16s} failed: {r.stderr.strip().splitlines()[-1:]}", flush=True)
+                continue
+            c = json.loads(r.stdout.strip().splitlines()[-1])
+            name = f"{engine} {c['isa']}".strip()
+            print(f"{dtype:7s} {name:16s} {c['pp']:7.1f} ({c['pp_best']:6.1f}) {c['tg']:7.1f} ({c['tg_best']:6.1f})",
+                  flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--types", default=",".join(ALL))
@@ -243,7 +305,17 @@ def main():
     p.add_argument("--no-moe", action="store_true")
     p.add_argument("--no-ggml", action="store_true", help="skip llama.cpp's vec_dot column")
     p.add_argument("--ggml-lib", type=Path, help="directory of the libggml-base.so and libggml-cpu.so to compare with")
+    p.add_argument("--engine", help="file types: the engine comparison on preset:small instead of the kernel tables")
+    p.add_argument("--engine-cell", help=argparse.SUPPRESS)           # ENGINE:DTYPE, one child process
     args = p.parse_args()
+    if args.engine_cell:
+        import json
+        engine, dtype = args.engine_cell.split(":")
+        print(json.dumps(engine_cell(engine, dtype, args.reps)))
+        return
+    if args.engine:
+        bench_engine(args, [i for i in args.isa.split(",") if not kernels.missing_flags(i)])
+        return
     args.types, args.matmul_types = args.types.split(","), args.matmul_types.split(",")
     args.threads = [int(t) for t in args.threads.split(",")]
     args.shape = tuple(int(v) for v in args.shape.lower().split("x"))

@@ -186,12 +186,6 @@ def dequantize_rows(raw: torch.Tensor, ggml_type: str, k: int, dtype: torch.dtyp
 
 def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A whole weight (matrix (N, K), expert stack (E, N, K), vector) as a `dtype` tensor of qt.shape."""
-    k = qt.shape[-1] if qt.shape else 1
-    rb = row_bytes(qt.type, k)
-    n_rows = 1
-    for d in qt.shape[:-1]:
-        n_rows *= d
-    if qt.raw.dtype != torch.uint8 or qt.raw.numel() != n_rows * rb:
-        raise ValueError(f"A {qt.type} tensor of shape {tuple(qt.shape)} is {n_rows * rb} bytes, but its raw "
-                         f"data is a {qt.raw.dtype} tensor of {qt.raw.numel()} elements.")
-    return dequantize_rows(qt.raw.reshape(n_rows, rb), qt.type, k, dtype).reshape(qt.shape)
+    qt.validate("dequantize")
+    rb = qt.row_bytes
+    return dequantize_rows(qt.raw.reshape(-1, rb), qt.type, qt.k, dtype).reshape(qt.shape)

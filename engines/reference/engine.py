@@ -17,6 +17,8 @@ Knobs in EngineSettings.extra (all optional):
   logits_all            true: prefill keeps the logits of every position (tests), else only the last
   hugepages             CPU device: hold matrices >= 2 MiB as one copy of their bytes on memory advised for
                         transparent huge pages (weights.hugepage_copy; default true; false: the file mapping)
+  fused_decode          CPU device: one-token decode through the fused C++ block steps where the architecture
+                        allows (kernels.FusedDecode; default true; false: the model's ATen ops)
 """
 from __future__ import annotations
 
@@ -150,6 +152,8 @@ class ReferenceEngine(Engine):
         module, cls = arch.model.split(":")
         model_class = getattr(importlib.import_module(module), cls)
         self.model = model_class(cfg, layers, top, self.moe, linear, s.n_ctx, device, linear.dtype)
+        if not x.get("fused_decode", True):
+            self.model.fused = None
         hold.ledger.add("kv_cache", "accelerator", 0, self.model.cache_bytes - self.model.state_bytes)
         hold.ledger.add("state", "accelerator", 0, self.model.state_bytes)
         hold.ledger.add("staging", "accelerator", 0, self.moe.staging_bytes)
@@ -225,6 +229,7 @@ class ReferenceEngine(Engine):
                 "compute_dtype": self._dtype_name, "cpu_isa": self.isa,
                 "host_device": "cpu", "accelerator_device": str(self.device),
                 "cpu_moe_threads_rule": self._host_threads_rule, "weights_hugepages": self._huge,
+                "fused_decode": getattr(self.model, "fused", None) is not None,
                 "host_pinned": self.device.type == "cuda",
                 "placement_note": ("the accelerator part runs on the CPU: no CUDA device" if self.device.type != "cuda"
                                    else "host experts are page-locked; the rest is on the GPU"),

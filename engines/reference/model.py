@@ -32,12 +32,13 @@ class Products:
     TILE = 1 << 24            # values of W dequantized at once on CUDA (~150 MB of temporaries)
 
     def __init__(self, kernels, dtype: torch.dtype):
-        self.kernels, self.dtype = kernels, dtype        # dtype: the compute dtype of CUDA products
+        self.kernels, self.dtype = kernels, dtype        # dtype: of many-row products (CUDA; CPU GEMM bf16 or f32)
 
     def __call__(self, x: torch.Tensor, w: QTensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        if w.device.type == "cpu":
+        if w.device.type == "cpu":       # many rows: the kernels' GEMM in the compute dtype (bf16 or f32)
             x = x.contiguous()
-            y = self.kernels.matvec(w, x) if x.shape[0] == 1 else self.kernels.matmul(w, x)
+            y = self.kernels.matvec(w, x) if x.shape[0] == 1 else \
+                self.kernels.matmul(w, x, bf16=self.dtype == torch.bfloat16)
         else:
             xc, rows = x.to(self.dtype), max(1, self.TILE // w.k)
             y = torch.cat([F.linear(xc, dequantize(w.rows(r, min(r + rows, w.n_rows)), self.dtype))
@@ -147,6 +148,10 @@ class Transformer:
         # as bf16; on CUDA the cache uses the compute dtype.
         self.kv_dtype = torch.float32 if device.type == "cpu" else dtype
         self.caches = self.make_caches()
+        # one token on the CPU: attention and routing as one C++ call each (kernels.FusedDecode), when the
+        # kernels implement every feature of the architecture; None: the ops below (engine extra fused_decode)
+        cpu = device.type == "cpu" and linear.kernels is not None
+        self.fused = linear.kernels.fused(cfg.features) if cpu else None
 
     def make_caches(self) -> list:
         """Per layer (K, V) cache views (Hkv, n_ctx, hd), and the RoPE tables (made once: single-token
@@ -172,13 +177,27 @@ class Transformer:
         """Empty the caches: stale KV rows past the position are never read (recurrent states override)."""
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return embed(self.top["token_embd.weight"], tokens)                     # (n, D)
+        w = self.top["token_embd.weight"]
+        if self.fused is not None:        # on the CPU: the kernels' dequant of those rows, one call (not ~15 ops)
+            return self.linear.kernels.embed(w, tokens)
+        return embed(w, tokens)                                                 # (n, D)
 
     def block(self, il: int, x: torch.Tensor, pos: int) -> torch.Tensor:
         """Layer il on the residual x (n, D) f32 at positions pos..pos+n-1 -> the new residual."""
         k, v = self.caches[il]
+        if self.fused is not None and x.shape[0] == 1:
+            return self._fused_block(il, x, pos)
         x = x + attention(self.cfg, self.layers[il], self.linear, k, v, self.cos, self.sin, x, pos)
         return x + self._ffn(il, x)
+
+    def _fused_block(self, il: int, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """block() for one token (1, D) on the CPU: the same math in 3-4 calls instead of ~45 ATen ops."""
+        cfg, lw, f = self.cfg, self.layers[il], self.fused
+        k, v = self.caches[il]
+        x = f.attention(cfg, lw, k, v, self.cos, self.sin, x, pos)          # x + attention(x)
+        h, w, ids, gate = f.route(cfg, lw, x)                               # normed h, (1, k) weights and ids
+        x = x + self.moe(il, h, ids, w)
+        return f.shared(cfg, lw, h, gate, x) if cfg.has("shared_expert_gated") else x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final residual rows (m, D) -> logits (m, V) f32."""

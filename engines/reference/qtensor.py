@@ -17,7 +17,8 @@ from engines.gguf_meta import GGML_TYPES
 
 TYPES = GGML_TYPES           # name -> (ggml type id, values per block, bytes per block)
 # the stored types the engine's products compute with (engines.reference.kernels, dequant)
-COMPUTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "MXFP4")
+COMPUTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "Q4_K", "Q5_K", "Q6_K",
+            "IQ4_XS")
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,25 @@ class QTensor:
 
     def with_raw(self, raw: torch.Tensor) -> "QTensor":
         """The same tensor held in other memory (a copy of the bytes: pinned, huge pages, a device)."""
-        assert raw.dtype == torch.uint8 and raw.numel() == self.raw.numel()
+        if raw.dtype != torch.uint8 or raw.numel() != self.raw.numel():
+            raise ValueError(f"with_raw: {raw.numel()} {raw.dtype} values in place of {self.raw.numel()} uint8 bytes")
         return replace(self, raw=raw)
+
+    def validate(self, what: str = "weight") -> "QTensor":
+        """self, after checking that its bytes are what its type and shape say (GGUF files are untrusted):
+        a known type, rows of whole blocks, a 1-D uint8 tensor of exactly the bytes the shape takes.
+        Raises ValueError naming `what`. The kernels and dequantize() call it before reading a byte."""
+        if self.type not in TYPES:
+            raise ValueError(f"{what}: ggml type {self.type!r} is not one of {', '.join(TYPES)}")
+        block = TYPES[self.type][1]
+        if len(self.shape) < 1 or min(self.shape) < 1 or self.k % block:
+            raise ValueError(f"{what}: shape {self.shape}: rows of {self.k} values are not whole blocks of {block} "
+                             f"({self.type})")
+        r, n = self.raw, expected_bytes(self.type, self.shape)
+        if r.dtype != torch.uint8 or r.dim() != 1 or r.numel() != n:
+            raise ValueError(f"{what}: {r.numel()} {r.dtype} values in {r.dim()} dims, but {self.type} {self.shape} "
+                             f"takes {n} bytes")
+        return self
 
 
 def expected_bytes(ggml_type: str, shape: tuple[int, ...]) -> int:

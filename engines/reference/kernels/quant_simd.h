@@ -1,9 +1,10 @@
-// SIMD helpers and the activation-row format of the quant kernels (quant_types.h, quant.cpp).
-// Compiled once per ISA variant: "avx2" (AVX2 + FMA + F16C) and "avx512" (adds AVX512 F/BW/VL/DQ/
-// VNNI/BF16); __AVX512F__ / __AVX512VNNI__ pick the wider paths.
+// SIMD helpers of the quant kernels (quant_act.h, quant_types.h, quant.cpp, decode.h). Compiled once
+// per ISA variant: "avx2" (AVX2 + FMA + F16C) and "avx512" (adds AVX512 F/BW/VL/DQ/VNNI/BF16);
+// __AVX512F__ / __AVX512VNNI__ pick the wider paths.
 #pragma once
 #include <immintrin.h>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 
 namespace qk {
@@ -14,20 +15,12 @@ constexpr bool VNNI = true;
 constexpr bool VNNI = false;
 #endif
 
-// One activation row as the kernels read it. Float weight types read f (K floats); block-quantized
-// types read x quantized per 32 values (quantize_x): x[i] ~= d[i/32] * q[i].
-struct XRow {
-  const float* f = nullptr;        // (K) f32
-  const int8_t* q = nullptr;       // (K) int8
-  const float* d = nullptr;        // (K/32) block scale
-  const float* s = nullptr;        // (K/32) d * sum(q) over the block: offset codes (Q4_0's -8, K-quant mins)
-  const int16_t* s16 = nullptr;    // (K/16) sum(q) over each 16 values: Q6_K's -32 under its per-16 scales
-};
-
 #define FOR_X _Pragma("GCC unroll 8") for (int r = 0; r < NX; ++r)
 
 static inline uint16_t u16(const uint8_t* p) { uint16_t h; memcpy(&h, p, 2); return h; }
 static inline float fp16(const uint8_t* p) { return _cvtsh_ss(u16(p)); }
+// x rounded to the nearest f16 (ties to even), as ggml's GGML_CPU_FP32_TO_FP16 (F16C) stores it
+static inline float round_f16(float x) { return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)); }
 
 // MXFP4 block scale: e8m0 times 1/2, since kvalues_mxfp4 hold twice the e2m1 values (GGML_E8M0_TO_FP32_HALF)
 static inline float e8m0_half(uint8_t e) {
@@ -49,12 +42,27 @@ static inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+static inline int hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
 static inline __m256i lo4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
 static inline __m256i hi4(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
 // 16 bytes of nibble pairs -> 32 codes: the low nibbles (values 0..15 of the block), then the high ones
 static inline __m256i nib16(const uint8_t* p) {
   const __m128i t = ld16(p);
   return lo4(_mm256_set_m128i(_mm_srli_epi16(t, 4), t));
+}
+// the 32 bits of a little-endian uint32 as 32 bytes: 0x10 where the bit is set (Q5_0/Q5_1's 5th bits,
+// bit j = value j; ggml's bytes_from_bits_32 masked to bit 4)
+static inline __m256i bits32_to_16(const uint8_t* p) {
+  uint32_t b;
+  memcpy(&b, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)b),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
 }
 // a 16-entry byte table in both 128-bit lanes, for vpshufb lookups of 4-bit codes
 static inline __m256i table16(const int8_t* t) { return _mm256_broadcastsi128_si256(ld16(t)); }
@@ -96,7 +104,60 @@ static inline __m512 pair(__m256 v, int j) {
 }
 #endif
 
-// n f32 -> bf16 bits, rounded to nearest even (NaN -> 0x7fc0, as c10::BFloat16)
+// ggml's vectorized SiLU (vec.h ggml_v_expf / ggml_v_silu: the "arm limited" exp, max error ~1.5 ulp), the
+// one its swiglu uses: x / (1 + exp(-x)). The AVX2 and AVX-512 versions round differently (k + k j with
+// one fma there, (1 + j) 2^n here), as llama.cpp's AVX2 and AVX-512 builds do.
+static inline __m256 v_expf(__m256 x) {
+  const __m256 r = _mm256_set1_ps(0x1.8p23f);
+  const __m256 z = _mm256_fmadd_ps(x, _mm256_set1_ps(0x1.715476p+0f), r);
+  const __m256 n = _mm256_sub_ps(z, r);
+  const __m256 b = _mm256_fnmadd_ps(n, _mm256_set1_ps(0x1.7f7d1cp-20f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0x1.62e4p-1f), x));
+  const __m256i e = _mm256_slli_epi32(_mm256_castps_si256(z), 23);
+  const __m256 k = _mm256_castsi256_ps(_mm256_add_epi32(e, _mm256_castps_si256(_mm256_set1_ps(1))));
+  const __m256i c = _mm256_castps_si256(_mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), n), _mm256_set1_ps(126), _CMP_GT_OQ));
+  const __m256 u = _mm256_mul_ps(b, b);
+  const __m256 j = _mm256_fmadd_ps(
+      _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_set1_ps(0x1.0e4020p-7f), b, _mm256_set1_ps(0x1.573e2ep-5f)), u,
+                      _mm256_fmadd_ps(_mm256_set1_ps(0x1.555e66p-3f), b, _mm256_set1_ps(0x1.fffdb6p-2f))),
+      u, _mm256_mul_ps(_mm256_set1_ps(0x1.ffffecp-1f), b));
+  if (!_mm256_movemask_ps(_mm256_castsi256_ps(c))) return _mm256_fmadd_ps(j, k, k);
+  const __m256i g = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(n, _mm256_setzero_ps(), _CMP_LE_OQ)),
+                                     _mm256_set1_epi32((int)0x82000000u));
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_add_epi32(g, _mm256_set1_epi32(0x7f000000)));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_sub_epi32(e, g));
+  const __m256i d = _mm256_castps_si256(_mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), n), _mm256_set1_ps(192), _CMP_GT_OQ));
+  return _mm256_or_ps(_mm256_and_ps(_mm256_castsi256_ps(d), _mm256_mul_ps(s1, s1)),
+                      _mm256_andnot_ps(_mm256_castsi256_ps(d),
+                                       _mm256_or_ps(_mm256_and_ps(_mm256_castsi256_ps(c), _mm256_mul_ps(_mm256_fmadd_ps(s2, j, s2), s1)),
+                                                    _mm256_andnot_ps(_mm256_castsi256_ps(c), _mm256_fmadd_ps(k, j, k)))));
+}
+static inline __m256 v_silu(__m256 x) {
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1), v_expf(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+#ifdef __AVX512F__
+static inline __m512 v_expf(__m512 x) {
+  const __m512 r = _mm512_set1_ps(0x1.8p23f);
+  const __m512 z = _mm512_fmadd_ps(x, _mm512_set1_ps(0x1.715476p+0f), r);
+  const __m512 n = _mm512_sub_ps(z, r);
+  const __m512 b = _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.7f7d1cp-20f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.62e4p-1f), x));
+  const __mmask16 d = _mm512_cmp_ps_mask(_mm512_abs_ps(n), _mm512_set1_ps(192), _CMP_GT_OQ);
+  const __m512 u = _mm512_mul_ps(b, b);
+  const __m512 j = _mm512_fmadd_ps(
+      _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_set1_ps(0x1.0e4020p-7f), b, _mm512_set1_ps(0x1.573e2ep-5f)), u,
+                      _mm512_fmadd_ps(_mm512_set1_ps(0x1.555e66p-3f), b, _mm512_set1_ps(0x1.fffdb6p-2f))),
+      u, _mm512_fmadd_ps(_mm512_set1_ps(0x1.ffffecp-1f), b, _mm512_set1_ps(1.0f)));
+  const __m512 res = _mm512_scalef_ps(j, n);
+  if (_mm512_kortestz(d, d)) return res;
+  const __m512 alt = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(n, _mm512_setzero_ps(), _CMP_LE_OQ),
+                                          _mm512_set1_ps(INFINITY), _mm512_setzero_ps());
+  return _mm512_mask_blend_ps(d, res, alt);
+}
+static inline __m512 v_silu(__m512 x) {
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1), v_expf(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+#endif
+
+// n f32 -> bf16 bits, rounded to nearest even (NaN -> 0x7fc0, as c10::BFloat16), as ggml_cpu_fp32_to_bf16
 static inline void to_bf16(const float* x, uint16_t* y, int64_t n) {
   int64_t i = 0;
 #ifdef __AVX512BF16__
@@ -119,29 +180,11 @@ static inline void to_bf16(const float* x, uint16_t* y, int64_t n) {
   }
 }
 
-// x (K) f32 -> XRow's q, d, s, s16 (K % 32 == 0): per 32 values d = max|x| / 127, q = round(x / d),
-// as ggml's quantize_row_q8_0 (d kept in f32 here, not rounded to f16).
-static inline void quantize_x(const float* x, int64_t K, int8_t* q, float* d, float* s, int16_t* s16) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  for (int64_t b = 0; b < K / 32; ++b, x += 32, q += 32) {
-    __m256 v[4], mx = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i] = _mm256_loadu_ps(x + 8 * i)));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    d[b] = amax / 127.f;
-    const __m256 id = _mm256_set1_ps(amax > 0 ? 127.f / amax : 0.f);
-    __m256i i32[4];
-    for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
-    const int h0 = (int)hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(i32[0], i32[1])));   // exact: |sum| <= 16 * 127
-    const int h1 = (int)hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(i32[2], i32[3])));
-    s16[2 * b] = (int16_t)h0;
-    s16[2 * b + 1] = (int16_t)h1;
-    s[b] = d[b] * (float)(h0 + h1);
-    // the packs interleave 128-bit lanes: dwords come out as 0 4 1 5 2 6 3 7
-    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
-    _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  }
+// n f32 -> f16 bits, rounded to nearest even (ggml_cpu_fp32_to_fp16 with F16C)
+static inline void to_f16(const float* x, uint16_t* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm_storeu_si128((__m128i*)(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
 }
 
 }  // namespace qk

@@ -1,0 +1,294 @@
+// One token's steps, each one call instead of dozens of ATen ops (decode is bound by per-op overhead,
+// not by the weight bytes: preset:small q4_k_m reads ~45 MB a token, ~0.65 ms at the machine's
+// bandwidth, against ~2.6 ms a token through the ATen ops): the routed experts (moe_decode: gate/up
+// products, activation, down products and the weighted sum, for any architecture), and the attention
+// and the routing of the common MoE transformer block (engines/reference/model.py Transformer). The
+// products are quant.cpp's (x converted to each weight's vec_dot_type once), so fused and unfused
+// decode agree to float rounding. What the block steps implement is kernels.FUSED_FEATURES: RoPE NEOX
+// or NORM, q/k norms per head or over the whole projection, qkv biases, renormalized top-k, and the
+// sigmoid gate of a shared expert (the expert itself runs through moe_decode as a one-expert stack).
+// Included by quant.cpp (its anonymous namespace: Weight, Acts, matvec_into, f32_or_null, ...).
+#pragma once
+
+namespace {
+
+// ggml's CPU GELU (vec.h, GGML_GELU_FP16): the tanh GELU of x rounded to f16, looked up in a table of
+// f16 results made once from ggml_gelu_f32 (ggml-cpu.c ggml_cpu_init); 0 at or below -10, x at or above 10.
+const uint16_t* gelu_table() {
+  static const std::vector<uint16_t> t = [] {
+    std::vector<uint16_t> t(1 << 16);
+    for (int i = 0; i < (1 << 16); ++i) {
+      const float x = _cvtsh_ss((uint16_t)i);
+      // 1 + a x x as one fma: how gcc -O3 -mfma (ggml's native builds) compiles ggml_gelu_f32
+      const float inner = std::fma(0.044715f * x, x, 1.0f);
+      t[i] = _cvtss_sh(0.5f * x * (1.0f + tanhf(0.79788456080286535587989211986876f * x * inner)), _MM_FROUND_TO_NEAREST_INT);
+    }
+    return t;
+  }();
+  return t.data();
+}
+inline float gelu_ggml(float x, const uint16_t* table) {
+  return x <= -10.f ? 0.f : x >= 10.f ? x : _cvtsh_ss(table[_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)]);
+}
+
+// The gated activation of routed experts: 0 SiLU silu(g) u (ggml's swiglu: its vectorized SiLU, scalar
+// x / (1 + expf(-x)) for a tail), 1 ggml's GELU(g) u, 2 gpt-oss SwiGLU: g = min(g, limit),
+// u = clamp(u, -limit, limit), g sigmoid(alpha g) (u + 1). One row: y (n) from g, u (n) and their biases.
+struct Act {
+  int64_t kind;
+  float alpha, limit;
+  const uint16_t* table = gelu_table();
+  float one(float g, float u) const {
+    if (kind == 0) return g / (1.f + std::exp(-g)) * u;
+    if (kind == 1) return gelu_ggml(g, table) * u;
+    g = std::min(g, limit);
+    u = std::clamp(u, -limit, limit);
+    return g / (1.f + std::exp(alpha * -g)) * (u + 1.f);
+  }
+  void row(const float* g, const float* u, const float* gb, const float* ub, float* y, int64_t n) const {
+    std::vector<float> gs, us;
+    if (gb) { gs.resize(n); for (int64_t i = 0; i < n; ++i) gs[i] = g[i] + gb[i]; g = gs.data(); }
+    if (ub) { us.resize(n); for (int64_t i = 0; i < n; ++i) us[i] = u[i] + ub[i]; u = us.data(); }
+    int64_t i = 0;
+    if (kind == 0) {
+#ifdef __AVX512F__
+      for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_mul_ps(v_silu(_mm512_loadu_ps(g + i)), _mm512_loadu_ps(u + i)));
+#else
+      for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(v_silu(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+#endif
+    }
+    for (; i < n; ++i) y[i] = one(g[i], u[i]);
+  }
+};
+
+// y = act(g, u) elementwise over f32 tensors of one shape (kind: Act), as moe_decode computes it (tests)
+at::Tensor act(at::Tensor g, at::Tensor u, int64_t kind, double alpha, double limit) {
+  TORCH_CHECK_VALUE(kind >= 0 && kind <= 2, "act: 0 (SiLU), 1 (GELU) or 2 (SwiGLU-OAI)");
+  TORCH_CHECK_VALUE(g.device().is_cpu() && u.device().is_cpu() && g.scalar_type() == at::kFloat &&
+                    u.scalar_type() == at::kFloat && g.sizes() == u.sizes(), "g, u: f32 CPU tensors of one shape");
+  g = g.contiguous(), u = u.contiguous();
+  auto y = at::empty_like(g);
+  Act{kind, (float)alpha, (float)limit}.row(g.data_ptr<float>(), u.data_ptr<float>(), nullptr, nullptr, y.data_ptr<float>(), g.numel());
+  return y;
+}
+
+// One token's routed experts into out (D): out += sum_j w_j (down_e (act(gate_e x + gb_e, up_e x + ub_e)) + db_e),
+// e = id[j]. gate, up: (E, ff, D) stacks (up may be the second half of a fused gate_up: same bytes, its
+// own offset), down (E, D, ff); x the one activation row (D).
+void experts_into(Acts& xa, const int64_t* id, const float* wt, int64_t K, const Weight& gate, const Weight& up,
+                  const Weight& down, const Act& act, const float* gb, const float* ub, const float* db, float* out) {
+  const int64_t ff = gate.n, D = down.n;
+  // (K, 2 ff): expert j's gate rows then its up rows, one row space split over the threads
+  const XRow* xg = xa.rows(gate.kern->fmt);
+  const XRow* xu = xa.rows(up.kern->fmt);
+  std::vector<float> h(K * 2 * ff);
+  at::parallel_for(0, K * 2 * ff, grain(gate.rb), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t j = r / (2 * ff), i = r % (2 * ff);
+      if (i < ff) gate.kern->dot[0](gate.row(i, id[j]), gate.k, xg, h.data() + r);
+      else up.kern->dot[0](up.row(i - ff, id[j]), up.k, xu, h.data() + r);
+    }
+  });
+  std::vector<float> a(K * ff);         // (K, ff) activations, the down products' x rows
+  for (int64_t j = 0; j < K; ++j)
+    act.row(h.data() + j * 2 * ff, h.data() + j * 2 * ff + ff, gb ? gb + id[j] * ff : nullptr, ub ? ub + id[j] * ff : nullptr,
+            a.data() + j * ff, ff);
+  Acts aa(a.data(), K, ff);
+  const XRow* xd = aa.rows(down.kern->fmt);
+  at::parallel_for(0, D, grain(K * down.rb), [&](int64_t b, int64_t e) {
+    std::vector<float> t(e - b);
+    for (int64_t j = 0; j < K; ++j) {         // expert by expert: each a sequential stream of rows b..e
+      for (int64_t d = b; d < e; ++d) down.kern->dot[0](down.row(d, id[j]), ff, xd + j, t.data() + d - b);
+      for (int64_t d = b; d < e; ++d) out[d] += wt[j] * (t[d - b] + (db ? db[id[j] * D + d] : 0.f));
+    }
+  });
+}
+
+// The checked ids (K int64) and weights (K f32) of a token's experts
+std::pair<at::Tensor, at::Tensor> routing(const at::Tensor& ids, const at::Tensor& wts, int64_t n_expert) {
+  TORCH_CHECK_VALUE(ids.device().is_cpu() && wts.device().is_cpu() && ids.numel() == wts.numel() && ids.numel() >= 1,
+                    "ids, w: the same number (>= 1) of CPU values");
+  at::Tensor idc = ids.to(at::kLong).contiguous(), wc = wts.to(at::kFloat).contiguous();
+  for (int64_t j = 0; j < idc.numel(); ++j)
+    TORCH_CHECK_VALUE(idc.data_ptr<int64_t>()[j] >= 0 && idc.data_ptr<int64_t>()[j] < n_expert,
+                      "expert id ", idc.data_ptr<int64_t>()[j], " out of range");
+  return {idc, wc};
+}
+
+// One token's routed experts: y (D) = [residual +] sum_j w_j (down_e (act(gate_e x + gb_e, up_e x + ub_e)) + db_e),
+// e = ids[j]. gate, up: (E, ff, D) stacks, expert e at off + e * stride (a fused (E, 2 ff, D) gate_up is two views:
+// up at off + ff * row_bytes, both with stride 2 ff row_bytes); down (E, D, ff). act: 0 SiLU, 1 GELU (ggml's
+// f16 table), 2 gpt-oss SwiGLU.
+at::Tensor moe_decode(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_expert, int64_t ff,
+                      at::Tensor g_raw, int64_t g_off, int64_t g_stride, int64_t g_type,
+                      at::Tensor u_raw, int64_t u_off, int64_t u_stride, int64_t u_type,
+                      at::Tensor d_raw, int64_t d_off, int64_t d_stride, int64_t d_type,
+                      int64_t act, double alpha, double limit, std::optional<at::Tensor> gate_bias,
+                      std::optional<at::Tensor> up_bias, std::optional<at::Tensor> down_bias,
+                      std::optional<at::Tensor> residual) {
+  const int64_t D = x.numel();
+  x = f32_rows(x, D, "x");
+  TORCH_CHECK_VALUE(act >= 0 && act <= 2, "act: 0 (SiLU), 1 (GELU) or 2 (SwiGLU-OAI)");
+  const Weight gate = weight(g_raw, g_off, g_type, ff, D, n_expert, g_stride);
+  const Weight up = weight(u_raw, u_off, u_type, ff, D, n_expert, u_stride);
+  const Weight down = weight(d_raw, d_off, d_type, D, ff, n_expert, d_stride);
+  const auto [idc, wc] = routing(ids, wts, n_expert);
+  const float* gb = f32_or_null(gate_bias, n_expert * ff, "gate_bias");
+  const float* ub = f32_or_null(up_bias, n_expert * ff, "up_bias");
+  const float* db = f32_or_null(down_bias, n_expert * D, "down_bias");
+  const float* res = f32_or_null(residual, D, "residual");
+  auto y = res ? residual->clone() : at::zeros({D}, x.options());
+  Acts xa(x.data_ptr<float>(), 1, D);
+  experts_into(xa, idc.data_ptr<int64_t>(), wc.data_ptr<float>(), idc.numel(), gate, up, down,
+               Act{act, (float)alpha, (float)limit}, gb, ub, db, y.data_ptr<float>());
+  return y;
+}
+
+// y = x / sqrt(mean(x^2) + eps) * w (w may be null) over one row of d floats; y may be x
+void norm_row(const float* x, const float* w, float* y, int64_t d, double eps) {
+  double ss = 0;
+  for (int64_t i = 0; i < d; ++i) ss += (double)x[i] * x[i];
+  const float scale = (float)(1.0 / std::sqrt(ss / d + eps));
+  for (int64_t i = 0; i < d; ++i) y[i] = x[i] * scale * (w ? w[i] : 1.f);
+}
+
+float dot_f32(const float* a, const float* b, int64_t n) {
+  vf acc = vzero();
+  int64_t i = 0;
+  for (; i + VL <= n; i += VL) acc = vfma(vload(a + i), vload(b + i), acc);
+  float s = vsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y += p v over n floats
+void axpy(float p, const float* v, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + VL <= n; i += VL) vstore(y + i, vfma(vset1(p), vload(v + i), vload(y + i)));
+  for (; i < n; ++i) y[i] += p * v[i];
+}
+
+// One layer's attention for one token, model.attention's n == 1 branch in one call:
+// x (1, D) f32 residual -> x + Wo attn (1, D) f32. h = rms_norm(x) * attn_norm; q, k, v = Wq h, Wk h,
+// Wv h (+ biases); q and k normed in groups of q_norm's and k_norm's length (qwen3moe: per head;
+// olmoe: the whole projection); RoPE at pos from model.rope_tables' cos/sin (n_ctx, hd): y = x cos +
+// rotate(x) sin, rotate swapping each pair (i, i + hd/2) for NEOX, (2i, 2i+1) otherwise; k and v
+// written to Kc, Vc (Hkv, n_ctx, hd) f32 at pos; per head softmax(q K^T / sqrt(hd)) V over positions
+// 0..pos, head h reading kv head h / (H / Hkv); then Wo o.
+at::Tensor attn_decode(at::Tensor x, std::optional<at::Tensor> attn_norm, double eps, WArg wq_a, WArg wk_a, WArg wv_a,
+                       std::optional<at::Tensor> bq, std::optional<at::Tensor> bk, std::optional<at::Tensor> bv,
+                       std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, at::Tensor Kc, at::Tensor Vc,
+                       at::Tensor cos, at::Tensor sin, int64_t pos, bool neox, int64_t H, WArg wo_a) {
+  const int64_t D = x.numel();
+  x = f32_rows(x, D, "x");
+  TORCH_CHECK_VALUE(Kc.dim() == 3 && Kc.sizes() == Vc.sizes() && Kc.scalar_type() == at::kFloat && Vc.scalar_type() == at::kFloat &&
+                    Kc.is_contiguous() && Vc.is_contiguous() && Kc.device().is_cpu() && Vc.device().is_cpu(),
+                    "Kc, Vc: (Hkv, n_ctx, hd) contiguous f32 CPU tensors");
+  const int64_t Hkv = Kc.size(0), n_ctx = Kc.size(1), hd = Kc.size(2), qd = H * hd, kvd = Hkv * hd;
+  TORCH_CHECK_VALUE(H > 0 && Hkv > 0 && H % Hkv == 0 && hd % 2 == 0, "H must be a multiple of Hkv, head size even");
+  const Weight wq = weight(wq_a), wk = weight(wk_a), wv = weight(wv_a), wo = weight(wo_a);
+  TORCH_CHECK_VALUE(wq.n == qd && wk.n == kvd && wv.n == kvd && wq.k == D && wk.k == D && wv.k == D && wo.n == D && wo.k == qd,
+                    "projection shapes: q (", qd, ", ", D, "), k and v (", kvd, ", ", D, "), output (", D, ", ", qd, ")");
+  TORCH_CHECK_VALUE(pos >= 0 && pos < n_ctx && cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                    sin.scalar_type() == at::kFloat && cos.numel() >= n_ctx * hd && sin.numel() >= n_ctx * hd, "pos / rope tables");
+  const float* an = f32_or_null(attn_norm, D, "attn_norm");
+  const float *b_q = f32_or_null(bq, qd, "bq"), *b_k = f32_or_null(bk, kvd, "bk"), *b_v = f32_or_null(bv, kvd, "bv");
+  const int64_t gq = q_norm.has_value() && q_norm->defined() ? q_norm->numel() : 0;
+  const int64_t gk = k_norm.has_value() && k_norm->defined() ? k_norm->numel() : 0;
+  TORCH_CHECK_VALUE((gq == 0 || qd % gq == 0) && (gk == 0 || kvd % gk == 0), "q/k norm length must divide the projection");
+  const float *qw = f32_or_null(q_norm, gq, "q_norm"), *kw = f32_or_null(k_norm, gk, "k_norm");
+
+  std::vector<float> h(D), qkv(qd + 2 * kvd);
+  norm_row(x.data_ptr<float>(), an, h.data(), D, eps);
+  Acts ha(h.data(), 1, D);
+  const Weight* mats[3] = {&wq, &wk, &wv};
+  const XRow* xr[3];
+  for (int m = 0; m < 3; ++m) xr[m] = ha.rows(mats[m]->kern->fmt);     // every format before the threads start
+  const int64_t starts[4] = {0, qd, qd + kvd, qd + 2 * kvd};
+  at::parallel_for(0, starts[3], grain((wq.rb + wk.rb) / 2), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const int m = r < qd ? 0 : r < qd + kvd ? 1 : 2;
+      mats[m]->kern->dot[0](mats[m]->row(r - starts[m]), D, xr[m], qkv.data() + r);
+    }
+  });
+  float *q = qkv.data(), *k = q + qd, *v = k + kvd;
+  for (int64_t i = 0; b_q && i < qd; ++i) q[i] += b_q[i];
+  for (int64_t i = 0; b_k && i < kvd; ++i) k[i] += b_k[i];
+  for (int64_t i = 0; b_v && i < kvd; ++i) v[i] += b_v[i];
+  for (int64_t o = 0; qw && o < qd; o += gq) norm_row(q + o, qw, q + o, gq, eps);
+  for (int64_t o = 0; kw && o < kvd; o += gk) norm_row(k + o, kw, k + o, gk, eps);
+  const float *c = cos.data_ptr<float>() + pos * hd, *s = sin.data_ptr<float>() + pos * hd;
+  std::vector<float> rot(hd);
+  for (int64_t head = 0; head < H + Hkv; ++head) {          // q heads, then k heads (contiguous in qkv)
+    float* t = q + head * hd;
+    for (int64_t i = 0; i < hd; ++i)
+      rot[i] = t[i] * c[i] + (neox ? t[i < hd / 2 ? i + hd / 2 : i - hd / 2] : t[i ^ 1]) * s[i];
+    std::copy(rot.begin(), rot.end(), t);
+  }
+  float *K = Kc.data_ptr<float>(), *V = Vc.data_ptr<float>();
+  for (int64_t g = 0; g < Hkv; ++g) {
+    std::copy(k + g * hd, k + (g + 1) * hd, K + (g * n_ctx + pos) * hd);
+    std::copy(v + g * hd, v + (g + 1) * hd, V + (g * n_ctx + pos) * hd);
+  }
+  const int64_t T = pos + 1, G = H / Hkv;
+  const float scale = 1.f / std::sqrt((float)hd);
+  std::vector<float> o(qd, 0.f);
+  at::parallel_for(0, H, grain(2 * T * hd * 4), [&](int64_t b, int64_t e) {
+    std::vector<float> p(T);
+    for (int64_t head = b; head < e; ++head) {
+      const float* qh = q + head * hd;
+      const float *Kg = K + head / G * n_ctx * hd, *Vg = V + head / G * n_ctx * hd;
+      float mx = -INFINITY, sum = 0.f;
+      for (int64_t t = 0; t < T; ++t) mx = std::max(mx, p[t] = dot_f32(qh, Kg + t * hd, hd) * scale);
+      for (int64_t t = 0; t < T; ++t) sum += p[t] = std::exp(p[t] - mx);
+      for (int64_t t = 0; t < T; ++t) axpy(p[t] / sum, Vg + t * hd, o.data() + head * hd, hd);
+    }
+  });
+  auto y = at::empty({1, D}, x.options());
+  Acts oa(o.data(), 1, qd);
+  matvec_into(wo, oa, y.data_ptr<float>());
+  const float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < D; ++i) y.data_ptr<float>()[i] += xp[i];
+  return y;
+}
+
+// A token's ffn norm and routing, model.route after the norm, in one call: x (1, D) f32 residual ->
+// [h (1, D) = rms_norm(x) * ffn_norm, w (1, k) f32, ids (1, k) int64, shared-expert gate (1,) f32
+// (sigmoid(h . shexp_gate) when given, else an empty tensor)]. logits = router h; norm_topk: softmax
+// over the k largest logits (== softmax over all, top-k, renormalized), else the top-k of the softmax
+// over all; w times `scale` unless it is 0 or 1.
+std::vector<at::Tensor> route_decode(at::Tensor x, std::optional<at::Tensor> ffn_norm, double eps, WArg router_a, int64_t k,
+                                     bool norm_topk, double scale, std::optional<at::Tensor> shexp_gate) {
+  const int64_t D = x.numel();
+  x = f32_rows(x, D, "x");
+  const Weight router = weight(router_a);
+  const int64_t E = router.n;
+  TORCH_CHECK_VALUE(router.k == D && k >= 1 && k <= E, "router (", E, ", ", router.k, ") for D = ", D, ", k = ", k);
+  auto h = at::empty({1, D}, x.options());
+  norm_row(x.data_ptr<float>(), f32_or_null(ffn_norm, D, "ffn_norm"), h.data_ptr<float>(), D, eps);
+  std::vector<float> logit(E);
+  Acts ha(h.data_ptr<float>(), 1, D);
+  matvec_into(router, ha, logit.data());
+  std::vector<int64_t> order(E);
+  for (int64_t e = 0; e < E; ++e) order[e] = e;
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [&](int64_t a, int64_t b) { return logit[a] > logit[b] || (logit[a] == logit[b] && a < b); });
+  const float mx = logit[order[0]];
+  float sum = 0.f;
+  for (int64_t e = 0; e < (norm_topk ? k : E); ++e) sum += std::exp(logit[norm_topk ? order[e] : e] - mx);
+  auto w = at::empty({1, k}, x.options());
+  auto ids = at::empty({1, k}, x.options().dtype(at::kLong));
+  const float sc = (scale == 0.0 || scale == 1.0) ? 1.f : (float)scale;
+  for (int64_t j = 0; j < k; ++j) {
+    ids.data_ptr<int64_t>()[j] = order[j];
+    w.data_ptr<float>()[j] = std::exp(logit[order[j]] - mx) / sum * sc;
+  }
+  at::Tensor gate = at::empty({0}, x.options());
+  if (const float* g = f32_or_null(shexp_gate, D, "shexp_gate")) {
+    gate = at::empty({1}, x.options());
+    gate.data_ptr<float>()[0] = 1.f / (1.f + std::exp(-dot_f32(h.data_ptr<float>(), g, D)));
+  }
+  return {h, w, ids, gate};
+}
+
+}  // namespace
