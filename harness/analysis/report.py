@@ -150,8 +150,39 @@ def _runs_rows(runs: list[dict]) -> list[dict]:
                      "threads": h.get("cores_logical", ""), "RAM GiB": f"{h.get('ram_mib', 0) / 1024:.0f}",
                      "GPU": h.get("gpu_name") or "none", "commit": h.get("git_commit", ""),
                      "engines": ", ".join(s.get("engines", [])), "workloads": ", ".join(s.get("workloads", [])),
-                     "repetitions": s.get("repetitions", "")})
+                     "repetitions": s.get("repetitions", ""), "rounds": _rounds_text(r)})
     return rows
+
+
+def _rounds_text(run: dict) -> str:
+    """`3 interleaved`, `2 back-to-back`, `5 A/B turns`; "" for runs written before rounds were recorded."""
+    if run.get("interleave"):
+        return f"{len(run['interleave'].get('rounds', [])) or ''} A/B turns".strip()
+    info = run.get("rounds") or {}
+    return f"{len(info['sizes'])} {info.get('order', '')}".strip() if info.get("sizes") else ""
+
+
+def rounds_rows(mcells, meas) -> list[dict]:
+    """Per cell x workload measured in more than one round: each round's mean tok/s and how the spread splits
+    between rounds (processes, time) and within a process (results.round_split)."""
+    from harness.store import results
+
+    if "round" not in meas or meas["round"].isna().all():
+        return []
+    rows = []
+    for c in mcells.sort_values(["engine", "n_cpu_moe"], kind="stable").to_dict("records"):
+        m = meas[meas["cell_id"] == c["cell_id"]]
+        for wl, g in m.groupby("workload", sort=False):
+            split = results.round_split(g)
+            if split["rounds"] > 1:
+                means = g.groupby("round")["tokens_per_s"].mean()
+                rows.append({"engine": c["engine"], "n_cpu_moe": c["n_cpu_moe"], "workload": wl,
+                             **{f"round {int(k)} tok/s": float(v) for k, v in means.items()},
+                             "cv % between rounds": 100 * split["tps_cv_rounds"],
+                             "cv % within a process": 100 * split["tps_cv_within"]})
+    cols = list(dict.fromkeys(k for r in rows for k in r))      # rounds missing from a cell that failed early
+    cols = [k for k in cols if not k.startswith("cv")] + [k for k in cols if k.startswith("cv")]
+    return [{k: r.get(k, float("nan")) for k in cols} for r in rows]
 
 
 def _summary_rows(summary) -> list[dict]:
@@ -206,6 +237,14 @@ def write_report(run_dirs: list[Path], out_dir: Path, engine_a: str | None = Non
                  "depth, effective settings).", a=a, b=b, s=", ".join(SETTINGS))
         rep.tables.append((f"{model}: fairness ({a} vs {b})", fair or [{"note": "no compared setting differed"}]))
         table(published.display(_summary_rows(ms)), "All cells (tok/s over the repetitions)")
+        rounds = rounds_rows(mcells, meas)
+        if rounds:
+            speed = results.round_speed(meas[meas["cell_id"].isin(mcells["cell_id"])])
+            table(published.display(rounds), "Rounds: each round ran every cell once, in a fresh process; the "
+                  "spread between rounds is processes and time, within a round one process. Machine speed by round "
+                  "(a cell's round mean / its mean, median over cells): {speed}.",
+                  speed=", ".join(f"round {k}: {v:.2f}" for k, v in speed.items()))
+            rep.tables.append((f"{model}: rounds", rounds))
         stem = f"m{i}_"
         figs = [*plots.throughput(ms, out_dir, stem), *plots.speedup(ms, b, out_dir, stem),
                 *plots.memory(ms, out_dir, stem)]

@@ -41,8 +41,13 @@ from harness.cli.options import FORMAT, OUTPUT, split_list, user_errors
 @click.option("--interleave", is_flag=True,
               help="A/B: exactly two engine specs (NAME[@KEY=VALUE]...), measured turn by turn (see README).")
 @click.option("--rounds", type=int, default=None,
-              help="Run each cell in this many fresh processes, the repetitions split between them, so one "
-                   "process's speed does not decide a cell (default 1; with --interleave min(5, repetitions)).")
+              help="Run the sweep this many times over: round 1 runs every cell once in a fresh process with its "
+                   "share of the repetitions, then round 2 ..., so drift falls on every engine and depth alike; "
+                   "each cell is still one cell (default 3 with more than one engine, else 1; with --interleave "
+                   "min(5, repetitions)).")
+@click.option("--round-order", type=click.Choice(["interleaved", "back-to-back"]), default="interleaved",
+              show_default=True, help="back-to-back: each cell's rounds one after the other (the order before "
+                                      "rounds interleaved; to measure what interleaving buys).")
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
               help="Run the cells on a Ray cluster: auto (RAY_ADDRESS or the local cluster) or ray://HOST:PORT.")
 @click.option("--per-node", is_flag=True, help="With --ray: every node runs every cell (compare hardware).")
@@ -54,7 +59,7 @@ from harness.cli.options import FORMAT, OUTPUT, split_list, user_errors
 @user_errors
 def sweep(models, engines, depths, cpu_moe, workloads, repetitions, threads, n_ctx, n_batch, n_ubatch, flash_attn,
           timeout, sample_ms, cpu_moe_threads, moe_stream_min_batch, llama_bench, tensorsharp, seed, results_dir,
-          resume, strict, interleave, rounds, ray_address, per_node, ray_nodes, fmt, output):
+          resume, strict, interleave, rounds, round_order, ray_address, per_node, ray_nodes, fmt, output):
     """Run every engine x model x depth cell, each in its own process, and write tidy results."""
     from harness.run.progress import sweep_with_progress
     from harness.run.spec import SweepSpec
@@ -68,7 +73,7 @@ def sweep(models, engines, depths, cpu_moe, workloads, repetitions, threads, n_c
                      depths=["all"] if cpu_moe else split_list(depths), workloads=split_list(workloads),
                      repetitions=repetitions, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, flash_attn=flash_attn,
                      timeout_s=timeout, sample_ms=sample_ms, seed=seed, extra=extra, ray=ray_address,
-                     per_node=per_node, ray_nodes=split_list(ray_nodes), rounds=rounds,
+                     per_node=per_node, ray_nodes=split_list(ray_nodes), rounds=rounds, round_order=round_order,
                      **({"threads": threads} if threads else {}))
     if interleave:
         from harness.run.interleave import run_interleaved
@@ -90,18 +95,64 @@ def show_run(run_dir: Path, fmt: str = "table", output: str | None = None) -> No
     run, cells, meas, _ = results.load_frames(run_dir)
     summary = results.summarize(cells, meas)
     summary = annotate(cells, summary, run.get("hardware_profile"))    # bound_tps, fraction (NaN without a profile)
-    many_models = summary["model_name"].nunique() > 1
+    if not summary.empty:                   # rounds finish cells in a shuffled order: show the sweep's own
+        summary = summary.iloc[_sweep_order(summary, run.get("spec", {}))]
+    many_models = not summary.empty and summary["model_name"].nunique() > 1
+    many_rounds = not summary.empty and (summary["rounds"] > 1).any()
     rows = []
     for _, r in summary.iterrows():
         rows.append({"engine": r["engine"], **({"model": r["model_name"]} if many_models else {}),
                      "n_cpu_moe": r["n_cpu_moe"], "workload": r["workload"], "status": r["status"],
                      "tok/s median": r["tps_median"], "± std": r["tps_std"], "cv %": 100 * r["tps_cv"],
+                     **({"cv % rounds": 100 * r["tps_cv_rounds"], "cv % in proc": 100 * r["tps_cv_within"]}
+                        if many_rounds else {}),
                      "n": r["tps_n"], "bound tok/s": r["bound_tps"], "% of bound": 100 * r["fraction"],
                      "peak RAM MiB": r["peak_rss_mib"], "peak VRAM MiB": r["peak_vram_mib"]})
         if r["tps_cv"] > CV_WARN:
+            split = (f": {_pct(r['tps_cv_rounds'])} between rounds, {_pct(r['tps_cv_within'])} within a process"
+                     if r["rounds"] > 1 else "")
             click.echo(f"warning: {r['engine']} n_cpu_moe={r['n_cpu_moe']} {r['workload']} is unstable "
-                       f"(CV {100 * r['tps_cv']:.1f}% > 5%); use more repetitions or a quieter machine.", err=True)
+                       f"(CV {100 * r['tps_cv']:.1f}% > 5%{split}); use more repetitions or a quieter machine.",
+                       err=True)
         if r["status"] != "ok":
             click.echo(f"warning: {r['engine']} n_cpu_moe={r['n_cpu_moe']} {r['status']}: {r['error']}", err=True)
     render(rows, fmt, title=f"moebench {run['run_id']}", out=output,
            json_payload=results.llama_bench_records(run, cells, meas))
+    if many_rounds:
+        click.echo(rounds_note(run, summary, results.round_speed(meas)), err=True)
+
+
+def _sweep_order(summary, spec: dict) -> list[int]:
+    """Row positions in the sweep's own order (model, engine, depth as given), whatever order cells finished in."""
+    engines, depths = spec.get("engines", []), [str(d) for d in spec.get("depths", [])]
+    models = list(dict.fromkeys(summary["model_fingerprint"]))
+    key = [(models.index(r["model_fingerprint"]), engines.index(r["engine"]) if r["engine"] in engines
+            else len(engines), depths.index(str(r["depth"])) if str(r["depth"]) in depths else len(depths), i)
+           for i, (_, r) in enumerate(summary.iterrows())]
+    return [k[-1] for k in sorted(key)]
+
+
+CV_STEADY = 0.03    # a round whose cells ran this much faster or slower than their mean: the machine moved
+
+
+def rounds_note(run: dict, summary, speed: dict[int, float]) -> str:
+    """One paragraph on the rounds: how many, in which order and why, and whether the machine was steady."""
+    info = run.get("rounds") or ({"order": "turns"} if run.get("interleave") else {})
+    k = int(summary["rounds"].max())
+    why = " (the default with more than one engine; --rounds 1 runs each cell once)" if info.get("default") else ""
+    order = {"interleaved": f"interleaved: every cell's round r before any cell's round r+1, order seed "
+                            f"{info.get('seed')}", "back-to-back": "back-to-back: each cell's rounds in a row",
+             "turns": "the two arms taking turns, a fresh pair of processes per round"}
+    ok = summary[summary["rounds"] > 1]
+    moved = max((abs(v - 1) for v in speed.values()), default=0.0)
+    verdict = (f"the machine's speed moved by up to {moved:.0%} between rounds"
+               + (" (interleaved: every cell saw it alike)" if info.get("order") == "interleaved" else "")
+               if moved > CV_STEADY else "the machine was steady across rounds")
+    return (f"rounds: {k}{why}, {order.get(info.get('order'), 'order not recorded')}. Spread of tok/s, median over "
+            f"cells: {_pct(ok['tps_cv_rounds'].median())} between rounds (processes, time) vs "
+            f"{_pct(ok['tps_cv_within'].median())} within a process; machine speed by round "
+            f"(cell's round mean / its mean): {', '.join(f'{v:.2f}' for v in speed.values()) or 'n/a'}: {verdict}.")
+
+
+def _pct(cv: float) -> str:
+    return "n/a (one repetition per round)" if cv != cv else f"{100 * cv:.1f}%"

@@ -1,4 +1,5 @@
-"""A sweep with a progress bar over cells on stderr; Ctrl-C keeps every finished cell."""
+"""A sweep with a progress bar over its processes (cells, or rounds of cells) on stderr; Ctrl-C keeps every
+finished cell and round."""
 from __future__ import annotations
 
 import sys
@@ -22,15 +23,16 @@ def sweep_with_progress(spec: SweepSpec, results_dir: Path, resume: Path | None)
 
         def on_cell(cell: Cell, row: dict, i: int, n: int) -> None:
             nonlocal failed
-            failed += row["status"] != "ok"
+            failed += row["status"] != "ok"          # a failed round ends its cell: counted once
+            rnd = f"round {row['round']}/{row['rounds']} " if row.get("rounds", 1) > 1 else ""
             bar.update(task, total=n, completed=i,
-                       description=f"{cell.engine} n_cpu_moe={cell.settings.n_cpu_moe}: {row['status']}")
+                       description=f"{rnd}{cell.engine} n_cpu_moe={cell.settings.n_cpu_moe}: {row['status']}")
 
         try:
             run_dir = run_sweep(spec, results_dir, resume, on_cell=on_cell, on_start=lambda d: started.update(dir=d))
         except KeyboardInterrupt:
             bar.stop()
             d = started.get("dir")
-            console.print(f"interrupted: finished cells are kept in {d}; continue with --resume {d}")
+            console.print(f"interrupted: finished cells and rounds are kept in {d}; continue with --resume {d}")
             sys.exit(130)
     return run_dir, failed

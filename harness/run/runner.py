@@ -1,12 +1,12 @@
 """The parent side of a sweep: one child process per cell, memory sampling, incremental results.
 
 A crash, timeout or out-of-memory of a cell becomes a row with its status and the sweep goes on.
-Rows are appended as each cell finishes; --resume skips cells whose status is ok and runs the rest
-again. Ctrl-C stops the running cell and keeps everything finished so far.
+Rows are appended as each cell finishes (a cell of several rounds: after its last round; its earlier rounds
+wait in rounds/); --resume skips cells whose status is ok, continues unfinished cells with their next round
+and runs failed ones again. Ctrl-C stops the running cell and keeps everything finished so far.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -186,14 +186,15 @@ def round_sizes(repetitions: int, rounds: int) -> list[int]:
 
 
 def join_rounds(parts: list[tuple]) -> tuple[dict, list[dict], list[dict]]:
-    """A cell's rounds (run_cell results, one fresh process each) -> one cell: reps numbered on across
-    rounds, samples shifted onto one time axis, the first failure's status, the largest peaks."""
+    """A cell's rounds (run_cell results in round order, one fresh process each) -> one cell: each measurement
+    keeps its `round` (1, 2, ...), reps numbered on across rounds, samples shifted onto one time axis, the first
+    failure's status, the summed wall time, the largest peaks."""
     rows, meas, samples = [p[0] for p in parts], [], []
     done, t0 = {}, 0.0
-    for _, ms, ss in parts:
+    for k, (_, ms, ss) in enumerate(parts):
         before = dict(done)                   # repetitions per workload in the earlier rounds
         for m in ms:
-            meas.append(m | {"rep": before.get(m["workload"], 0) + m["rep"]})
+            meas.append(m | {"rep": before.get(m["workload"], 0) + m["rep"], "round": k + 1})
             done[m["workload"]] = done.get(m["workload"], 0) + 1
         samples += [x | {"t_ms": x["t_ms"] + t0} for x in ss]
         t0 = samples[-1]["t_ms"] if samples else t0
@@ -207,16 +208,35 @@ def join_rounds(parts: list[tuple]) -> tuple[dict, list[dict], list[dict]]:
     return row, meas, samples
 
 
-def run_rounds(cell: Cell, spec: SweepSpec, run_dir: Path) -> tuple[dict, list[dict], list[dict]]:
-    """--rounds: run_cell once per round, each in a fresh process with its share of the repetitions
-    (one process's speed is one sample: on a shared VM two processes of the same build differed by up
-    to ~25 %); a failed round ends the cell."""
+# A round of a cell that is not finished yet (it has more rounds to run) waits here, one JSON file per cell and
+# round, so --resume continues with the next round; the cell's rows go to the CSV files once its last round ends.
+ROUNDS_DIR = "rounds"
+
+
+def _round_path(run_dir: Path, cell_id: str, k: int) -> Path:
+    return run_dir / ROUNDS_DIR / f"{cell_id.replace('/', '_')}.{k + 1}.json"
+
+
+def save_round(run_dir: Path, cell_id: str, k: int, part: tuple) -> None:
+    """Keep round k (0-based) of an unfinished cell: (cell row, measurements, samples) as run_cell returned them."""
+    path = _round_path(run_dir, cell_id, k)
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"cell_id": cell_id, "round": k + 1, "part": part}, default=str))
+    tmp.replace(path)                         # whole or not at all: Ctrl-C mid-write leaves no half round
+
+
+def load_rounds(run_dir: Path, cell_id: str) -> list[tuple]:
+    """The kept rounds of an unfinished cell, 1, 2, ... up to the first one missing."""
     parts = []
-    for reps in round_sizes(spec.repetitions, spec.rounds or 1):
-        parts.append(run_cell(cell, dataclasses.replace(spec, repetitions=reps), run_dir, run_dir.name))
-        if parts[-1][0]["status"] != "ok":
-            break
-    return join_rounds(parts)
+    while (path := _round_path(run_dir, cell_id, len(parts))).exists():
+        parts.append(tuple(json.loads(path.read_text())["part"]))
+    return parts
+
+
+def drop_rounds(run_dir: Path, cell_id: str) -> None:
+    for path in (run_dir / ROUNDS_DIR).glob(f"{cell_id.replace('/', '_')}.*.json"):
+        path.unlink()
 
 
 def _hardware_profile() -> dict | None:
@@ -237,8 +257,11 @@ def write_run_json(run_dir: Path, spec: SweepSpec, **more) -> None:
 
 
 def drop_unfinished(run_dir: Path) -> set[str]:
-    """For --resume: keep rows of ok cells only; return their cell ids (those are skipped)."""
+    """For --resume: keep rows of ok cells only; return their cell ids (those are skipped). A cell with a row
+    (ok, or failed and to be run again from round 1) has no kept rounds any more."""
     cells = results.read_csv(run_dir, "cells.csv")
+    for c in cells:
+        drop_rounds(run_dir, c["cell_id"])
     done = {c["cell_id"] for c in cells if c["status"] == "ok"}
     results.write_cells(run_dir, [c for c in cells if c["cell_id"] in done])
     for file in ("measurements.csv", "samples.csv"):

@@ -35,7 +35,11 @@ class SweepSpec:
     ray: str | None = None                  # Ray address (auto | ray://host:port): cells run on the cluster
     per_node: bool = False                  # with ray: every node runs every cell
     ray_nodes: list[str] = field(default_factory=list)   # with ray: only these nodes (hostname, IP, node-id prefix)
-    rounds: int | None = None               # fresh processes per cell (None: 1; with --interleave min(5, reps))
+    rounds: int | None = None               # the sweep K times over, each cell in a fresh process per round
+                                            # (None: default_rounds; with --interleave min(5, reps))
+    round_order: str = "interleaved"        # interleaved: round 1 of every cell, then round 2 ...; back-to-back:
+                                            # each cell's rounds one after the other (the old order, to compare)
+    round_seed: int | None = None           # shuffles the order within each round; drawn and recorded when None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -43,6 +47,18 @@ class SweepSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "SweepSpec":
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+ROUND_ORDERS = ("interleaved", "back-to-back")
+DEFAULT_ROUNDS = 3      # with more than one engine: each engine's cells see the machine of every part of the sweep
+
+
+def default_rounds(spec: SweepSpec) -> int:
+    """--rounds when not given: DEFAULT_ROUNDS when more than one engine is swept (a fair table on a drifting
+    machine), else 1; 1 on Ray (a cell runs once on its node)."""
+    if spec.ray or spec.per_node or spec.ray_nodes:
+        return 1
+    return DEFAULT_ROUNDS if len(spec.engines) > 1 else 1
 
 
 @dataclass
@@ -70,6 +86,8 @@ def expand(spec: SweepSpec) -> list[Cell]:
         raise UserError(f"--repetitions {spec.repetitions} must be at least 1.")
     if spec.rounds is not None and spec.rounds < 1:
         raise UserError(f"--rounds {spec.rounds} must be at least 1.")
+    if spec.round_order not in ROUND_ORDERS:
+        raise UserError(f"--round-order {spec.round_order!r} is not valid; use {' or '.join(ROUND_ORDERS)}.")
     if spec.threads < 1:
         raise UserError(f"--threads {spec.threads} must be at least 1.")
     if spec.flash_attn not in ("on", "off", "auto"):

@@ -31,8 +31,8 @@ CELL_COLUMNS = [
 MEASUREMENT_COLUMNS = [
     "run_id", "cell_id", "engine", "model_name", "model_fingerprint", "n_cpu_moe", "workload", "n_prompt",
     "n_gen", "n_depth", "rep", "ns", "tokens_per_s", "engine_ms", "n_ctx", "n_batch", "n_ubatch", "threads",
-    "flash_attn", "peak_rss_mib", "peak_vram_mib",
-]
+    "flash_attn", "peak_rss_mib", "peak_vram_mib", "round",
+]   # round: 1, 2, ... (--rounds: each round of a cell is one process); empty in runs written before it
 SAMPLE_COLUMNS = [
     "run_id", "cell_id", "t_ms", "phase", "rss_mib", "rss_anon_mib", "rss_file_mib", "pss_mib",
     "vram_proc_mib", "vram_device_mib",
@@ -90,14 +90,19 @@ def _fmt(v) -> object:
 
 
 def append_rows(run_dir: Path, file: str, rows: list[dict]) -> None:
-    """Append rows (dicts keyed by column name) to one of the run's CSV files, header on first write."""
+    """Append rows (dicts keyed by column name) to one of the run's CSV files, header on first write. A file
+    begun by an older version keeps its header (--resume of an old run): columns it lacks are left out."""
     path = run_dir / file
     new = not path.exists() or path.stat().st_size == 0
+    columns = FILES[file]
+    if not new:
+        with open(path, newline="") as f:
+            columns = next(csv.reader(f), None) or columns
     with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FILES[file], extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         if new:
             w.writeheader()
-        w.writerows({k: _fmt(r.get(k)) for k in FILES[file]} for r in rows)
+        w.writerows({k: _fmt(r.get(k)) for k in columns} for r in rows)
 
 
 def append_cell(run_dir: Path, row: dict, measurements: list[dict], samples: list[dict]) -> None:
@@ -149,10 +154,46 @@ def load_frames(run_dir: str | Path):
     return (run, *frames)
 
 
+def round_split(g) -> dict:
+    """Where the spread of one cell x workload's tok/s comes from (g: its measurement rows):
+    `rounds` (how many; NaN for runs written before rounds were recorded), `tps_cv_rounds` (CV of the round
+    means: between processes, and between the times the rounds ran) and `tps_cv_within` (pooled CV within a
+    round: one process). With n repetitions per round, noise within processes alone puts tps_cv_rounds near
+    tps_cv_within / sqrt(n); much more means the processes or the machine differed between rounds."""
+    nan = float("nan")
+    if "round" not in g or g["round"].isna().all():
+        return {"rounds": nan, "tps_cv_rounds": nan, "tps_cv_within": nan}
+    by = g.groupby("round")["tokens_per_s"]
+    means, grand = by.mean(), g["tokens_per_s"].mean()
+    dof = int((by.count() - 1).sum())
+    within = float(((by.var(ddof=1).fillna(0) * (by.count() - 1)).sum() / dof) ** 0.5) if dof else nan
+    return {"rounds": len(means), "tps_cv_rounds": float(means.std(ddof=1) / means.mean()) if len(means) > 1 else nan,
+            "tps_cv_within": within / grand if grand else nan}
+
+
+def round_speed(measurements) -> dict[int, float]:
+    """The machine's speed in each round of a run: per cell x workload measured in more than one round, each
+    round's mean tok/s over the mean of its round means; the median of those per round ({1: 1.02, 2: 0.97, ...}).
+    In an interleaved run round r is one stretch of time, so this is the drift every cell saw; {} without rounds."""
+    import pandas as pd
+
+    if "round" not in measurements or measurements["round"].isna().all():
+        return {}
+    m = measurements.dropna(subset=["round"])
+    means = m.groupby(["cell_id", "workload", "round"])["tokens_per_s"].mean()
+    rel = means / means.groupby(level=["cell_id", "workload"]).transform("mean")
+    counts = means.groupby(level=["cell_id", "workload"]).transform("count")
+    rel = rel[counts > 1]
+    if rel.empty:
+        return {}
+    return {int(k): float(v) for k, v in pd.Series(rel.values, index=rel.index.get_level_values("round"))
+            .groupby(level=0).median().items()}
+
+
 def summarize(cells, measurements):
     """One row per cell x workload (cells from load_frames): cell_id, `engine` = the cell's label, tok/s
-    statistics, the cell's peak memory and status.
-    Failed cells appear with their status and no throughput, never as a silent gap."""
+    statistics, how their spread splits between rounds and within a process (round_split), the cell's peak
+    memory and status. Failed cells appear with their status and no throughput, never as a silent gap."""
     import pandas as pd
 
     rows = []
@@ -163,10 +204,12 @@ def summarize(cells, measurements):
                     "status": c["status"], "peak_rss_mib": c["peak_rss_mib"],
                 "peak_vram_mib": c["peak_vram_mib"], "error": c["error"]}
         if m.empty:
-            rows.append(base | {"workload": "", **{f"tps_{k}": float("nan") for k in stats([])}})
+            rows.append(base | {"workload": "", **{f"tps_{k}": float("nan") for k in stats([])},
+                                **round_split(m)})
             continue
         for wl, g in m.groupby("workload", sort=False):
-            rows.append(base | {"workload": wl, **{f"tps_{k}": v for k, v in stats(g["tokens_per_s"]).items()}})
+            rows.append(base | {"workload": wl, **{f"tps_{k}": v for k, v in stats(g["tokens_per_s"]).items()},
+                                **round_split(g)})
     return pd.DataFrame(rows)
 
 
