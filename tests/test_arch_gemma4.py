@@ -31,11 +31,9 @@ PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, H.n_vocab, 96)]
 # f32 file, prompt (batched experts: table GELU): measured max |diff| 3.2e-3 on logits up to ~9; the floor is
 # the f16 GELU table itself, whose steps turn f32 rounding differences into ~1e-3 jumps.
 LOGIT_ATOL = 2e-2
-# f32 file, decode: the one-token moe_decode kernel computes the exact GELU, not ggml's table, which flips a
-# near-tied expert choice at one of the 16 steps here (0.44 logits at that step, 4e-2 at the next; 4.1e-3 at
-# every step when the decode experts take the batched path with the table). Tighten to LOGIT_ATOL once the
-# kernel uses the table.
-DECODE_ATOL = 1.0
+# f32 file, decode: the one-token experts (moe_decode) use ggml's f16 GELU table too: measured max 4.2e-3 over
+# 16 steps (3.0e-3 against llama.cpp's AVX2 build).
+DECODE_ATOL = LOGIT_ATOL
 
 
 @pytest.fixture(scope="module")
@@ -140,20 +138,19 @@ def test_real_head_geometry_f32_matches_llama_cpp(tmp_path):
 
 @pytest.mark.parametrize("depth", [0, H.n_layers])
 def test_iq4_xs_top1_matches_llama_cpp_where_clear(files, llama, depth):
-    """The real model's expert format. Both engines round the activations of every quantized product to int8,
-    differently (llama.cpp: q8_K blocks of 256 for IQ4_XS/Q6_K; ours: blocks of 32), ~0.5% per product, and
-    this random model amplifies any such rounding into flipped expert choices (llama.cpp on an f16 file, which
-    rounds activations to f16 only, is already up to 2 logits from exact math; a float64 oracle on dequantized
-    weights is as far from llama.cpp as we are). Measured: median row max |diff| 1.2 logits, the same top-1 at
-    86 of 112 positions, at all 13 where llama.cpp's top-2 margin is above 1 logit (37 of 39 above 0.5)."""
+    """The real model's expert format. Both engines convert the activations of every quantized product to the
+    same ggml blocks (q8_K for IQ4_XS, q8_0 for the 32-value fallbacks), byte for byte; what is left (float sums in
+    other orders) now and then tips an int8 rounding or a near-tied expert choice, and this random model carries
+    that on. Measured against llama.cpp's AVX-512 and AVX2 builds: median row max |diff| 0.31 logits, the same
+    top-1 at 105-107 of 112 positions, every miss at a llama.cpp top-2 margin below 0.16."""
     want, gen, want_gen = llama["iq4_xs"]
     got, got_gen, e = ref_run(files["iq4_xs"], depth, gen)
     assert e.info().extra["file_dtype"] == "IQ4_XS"
     g, w = np.concatenate((got, got_gen)), np.concatenate((want, want_gen))
     same = g.argmax(-1) == w.argmax(-1)
-    clear = margin(w) > 1.0
-    assert clear.sum() >= 5 and same[clear].all() and same.mean() > 0.65, (clear.sum(), same.mean())
-    assert np.median(np.abs(g - w).max(-1)) < 2.5
+    clear = margin(w) > 0.5
+    assert clear.sum() >= 5 and same[clear].all() and same.mean() > 0.85, (clear.sum(), same.mean())
+    assert np.median(np.abs(g - w).max(-1)) < 1.0
 
 
 def greedy(path: Path, depth: int, n: int = 20) -> list[int]:

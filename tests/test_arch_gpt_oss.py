@@ -28,13 +28,13 @@ N_UBATCH, N_CTX = 16, 128
 # on logits of size ~4); 2e-4 leaves room for thread-count and kernel changes and is far below any modelling
 # error (a window off by one, a missing sink or a wrong YaRN ramp each move logits by > 1).
 F32_ATOL = 2e-4
-# mxfp4 file: both engines round every activation that meets a Q8_0/MXFP4 weight to 8 bits per 32 values,
-# with rounding that is not bit-identical (the reference keeps the block scale in f32, ggml in f16); a
-# differently rounded value changes a routed expert now and then, which moves logits by up to ~2 (llama.cpp's
-# own f16-KV and f32-KV runs differ as much). Measured over 8 prompts x 80 positions: median 0.11, max 2.4,
-# top-1 differs at 8% of positions, all with llama.cpp top-2 margins < 0.4. So: the same top-1 wherever
-# llama.cpp's top-2 margin is clear of that noise, at 80% of all positions, and bounds on the diffs.
-CLEAR_MARGIN = 0.75
+# mxfp4 file: both engines convert every activation that meets a Q8_0/MXFP4 weight to the same Q8_0 blocks
+# (ggml's from_float, byte for byte), yet logits still differ more than on the f32 file (not traced further:
+# float sums in other orders can tip an int8 rounding, which the next layers carry). Measured at depths 0 and
+# all, against llama.cpp's AVX-512 and its AVX2 libggml-cpu alike: max 0.14, median 0.048, top-1 different at 2 of 80
+# positions, both with llama.cpp top-2 margins below 0.016. So: the same top-1 wherever the margin is clear of
+# twice that noise, at 90 % of all positions, and bounds on the diffs.
+CLEAR_MARGIN = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +98,8 @@ def test_logits_match_llama_cpp_at_every_position_at_depth_0_and_all(files, llam
             assert same.all()
         else:
             assert clear.sum() >= 4 and same[clear].all(), f"depth {depth}: top-1 differs at {np.where(clear & ~same)}"
-            assert same.mean() >= 0.8 and np.median(err) < 0.25 and err.max() < 4, (same.mean(), np.median(err),
-                                                                                      err.max())
+            assert same.mean() >= 0.9 and np.median(err) < 0.1 and err.max() < 0.5, (same.mean(), np.median(err),
+                                                                                       err.max())
 
 
 def test_ubatch_size_does_not_change_the_logits(files):

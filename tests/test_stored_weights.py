@@ -75,8 +75,11 @@ def test_held_as_stored(models, dtype):
 # multiply exactly ggml's int8 values and scales (only float sums are ordered differently): measured <= 1e-6.
 # F16/BF16 files: the avx512 kernels' default bf16 GEMM rounds x, weights and results to bf16 (measured
 # 2e-2); with an f32 GEMM the f16 x equals ggml's, but llama.cpp's own position-0 logits of an F16 file
-# move by 2.5e-4 between a 1-token and a longer batch (the BF16 file's by 2e-7).
-POS0_TOL = {"f16": 5e-4, "bf16": 1e-5}
+# move by 2.5e-4 between a 1-token and a longer batch (the BF16 file's by 2e-7), and by 1.8e-3 between its
+# AVX2 and its AVX-512 libggml-cpu (measured: the same llama-cpp-python 0.3.36 with an AVX2-only ggml build
+# swapped in; the reference's avx2 kernels follow the AVX-512 build to 4e-7 on one token and the AVX2 build
+# to 1.7e-3). llama.cpp is built for the CPU it runs on, so the bound is llama.cpp's own spread across builds.
+POS0_TOL = {"f16": 3e-3, "bf16": 1e-5}
 POS0_TOL_BF16_GEMM = 3e-2
 POS0_TOL_QUANT = 2e-6
 
