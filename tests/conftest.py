@@ -46,3 +46,9 @@ def greedy(engine, prompt: list[int], n: int) -> list[int]:
         engine.decode(out[-1])
         out.append(int(engine.logits()[-1].argmax()))
     return out
+
+
+def disjoint(intervals) -> bool:
+    """No two (start, end) intervals overlap (an end may equal the next start)."""
+    intervals = sorted(intervals)
+    return all(b[0] >= a[1] for a, b in zip(intervals, intervals[1:]))

@@ -271,8 +271,7 @@ PRESETS = {
     # gemma-4-26B-A4B's layer shapes (model_shapes.md section 3) with 4 of its 30 layers (3 sliding + its full
     # layer) and a 32K vocab (the 262144-row tied head alone would outweigh 4 layers' active experts). Its
     # published format is IQ4_XS, whose 704- and 2112-wide rows (ffn_down_exps, ffn_down) llama-quantize stores
-    # as IQ4_NL (Q5_1 in the first eighth): the reference engine, without IQ4_NL/Q5_0/Q5_1 products, runs this
-    # shape as f32, f16, bf16, q8_0, q4_0, q6_k or mxfp4, not as iq4_xs, q4_k_m or q5_k_m
+    # as IQ4_NL (Q5_1 in the first eighth); both engines compute with those types
     "gemma-4-26b-a4b-4l": Preset(_h(4, 2816, 16, 8, 256, 2, 512, 128, 8, 704, 2112, 32768, 1024,
                                     (True, True, True, False)), dtype="iq4_xs"),
     # the whole gemma-4-26B-A4B: for `moebench plan` on a header-only file
