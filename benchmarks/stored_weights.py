@@ -7,6 +7,13 @@ the same sweep with the same settings. Prints one Markdown table and checks the 
 peak RSS <= 1.15x llama.cpp's, expert_bytes_host equal, tg >= 0.9x, pp >= 1.2x.
 
   .venv/bin/python benchmarks/stored_weights.py --dtypes f16,q8_0,q4_k_m,mxfp4 --isas avx2,native -r 5 --rounds 5
+
+llama-cpp-python builds llama.cpp for the CPU it is built on (GGML_NATIVE), so on an AVX-512 machine llama.cpp
+runs AVX-512 code even where the reference is forced to avx2. --llama-pythonpath DIR puts DIR first on the cells'
+PYTHONPATH: a copy of the llama_cpp package whose libggml-base/libggml-cpu are an AVX2-only build (cmake ggml/
+-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DBUILD_SHARED_LIBS=ON from the
+same sources) makes both engines run what an AVX2 machine runs. The `llama ISA` column is read from llama.cpp's
+own system_info in cells.csv.
 """
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ TARGETS = {"rss": 1.15, "tg": 0.9, "pp": 1.2}      # reference / llama.cpp: at m
 
 def sweep(isa: str, dtype: str, args) -> Path:
     """One sweep of both engines on preset:<preset>:<dtype>; returns its run directory."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*args.llama_pythonpath, str(ROOT)]))
     env.pop("MOEBENCH_ISA", None)
     if isa != "native":
         env["MOEBENCH_ISA"] = isa
@@ -53,7 +60,8 @@ def rows(run_dir: Path, isa: str, dtype: str) -> list[dict]:
         c = {e: cells[(cells["engine"] == e) & (cells["n_cpu_moe"] == depth)].iloc[0]
              for e in ("reference", "llama-cpp")}
         isa_used = str(c["reference"]["effective_settings"]).split('"cpu_isa": "')[-1].split('"')[0]
-        out.append({"isa": isa_used, "dtype": dtype, "n_cpu_moe": depth, "workload": wl,
+        llama_isa = "avx512" if "AVX512 = 1" in str(c["llama-cpp"]["effective_settings"]) else "avx2"
+        out.append({"isa": isa_used, "llama ISA": llama_isa, "dtype": dtype, "n_cpu_moe": depth, "workload": wl,
                     "ref tok/s": ref["tps_median"], "llama tok/s": lcp["tps_median"],
                     "tok/s ratio": ref["tps_median"] / lcp["tps_median"],
                     "ref RSS MiB": ref["peak_rss_mib"], "llama RSS MiB": lcp["peak_rss_mib"],
@@ -87,6 +95,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--results-dir", type=Path, default=ROOT / "results")
+    ap.add_argument("--llama-pythonpath", action="append", default=[], metavar="DIR",
+                    help="put DIR first on the cells' PYTHONPATH (another llama_cpp build; see above)")
     args = ap.parse_args()
     from harness.analysis.tables import render
 
