@@ -332,7 +332,8 @@ def main():
         raise SystemExit(f"the benchmark quantizes with llama_cpp's libggml (llama-cpp-python): {e}")
     if not args.no_ggml:
         print(f"ggml: {gg.lib}")
-    read = {th: statistics.median(read_gbps(th, args.reps)) for th in args.threads}
+    # the ggml column runs on one thread: its % needs the 1-thread bandwidth even without --threads 1
+    read = {th: statistics.median(read_gbps(th, args.reps)) for th in {*args.threads, 1}}
     print("read bandwidth (torch sum over 256 MiB f32, as moebench probe): "
           + ", ".join(f"{th} thread{'s' * (th > 1)} {v:.1f} GB/s" for th, v in read.items()))
     bench_matvec(args, qks, gg, read)

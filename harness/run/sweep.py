@@ -89,7 +89,8 @@ def run_sweep(spec: SweepSpec, results_dir: Path, resume: Path | None = None,
         write_run_json(run_dir, spec, rounds={"sizes": sizes, "order": spec.round_order, "seed": spec.round_seed,
                                               "default": defaulted, "plan": [[c.cell_id for c in p] for p in plan]})
         if defaulted and len(sizes) > 1:
-            print(f"note: --rounds {len(sizes)} (the default with more than one engine): every cell runs in "
+            cap = ", at most one per repetition" if len(sizes) < (spec.rounds or 1) else ""
+            print(f"note: --rounds {len(sizes)} (the default with more than one engine{cap}): every cell runs in "
                   f"{len(sizes)} fresh processes, round by round, so drift falls on every engine alike; "
                   "--rounds 1 runs each cell in one process.", file=sys.stderr)
     if on_start:
