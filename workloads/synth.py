@@ -78,47 +78,59 @@ def synthesize(preset: str | Preset, out: str | Path, seed: int = 0, dtype: str 
     shapes = tensor_shapes(p)
     types = tensor_types(p.dtype, shapes, h.n_layers, h.arch, n_expert=h.n_expert, n_head=h.n_head,
                          n_head_kv=h.n_head_kv)        # llama-quantize's choice for this file type
-    if sparse:
-        return _sparse(w, h, shapes, types, tmp, out)
     special = ARCHS[h.arch].synth_tensor
-    for idx, (name, shape) in enumerate(shapes.items()):
-        rng = np.random.default_rng([seed, idx])
-        a, types[name] = (special and special(name, shape, rng, h)) or (_weights(shape, name, rng), types[name])
-        if types[name] in ("F32", "I32"):
-            w.add_tensor(name, a)
-        elif types[name] == "F16":
-            w.add_tensor(name, a.astype(np.float16))
-        else:   # llama.cpp's own quantizer; uint8 data, the shape follows from the bytes
-            w.add_tensor(name, quantize(a, types[name]), raw_dtype=gguf.GGMLQuantizationType[types[name]])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tmp.replace(out)   # atomic: a half-written file never looks like a model
-    return out
-
-
-def _sparse(w, h: Hparams, shapes: dict[str, tuple[int, ...]], types: dict[str, str], tmp: Path, out: Path) -> Path:
-    """Finish writer w with the tensor table only; the data section is left as a hole (a sparse file)."""
-    import gguf
-
-    special = ARCHS[h.arch].synth_tensor
-    for name, shape in shapes.items():
-        t = types[name]
+    for name, shape in shapes.items():     # the whole tensor table first, so the data can follow as it is made
         if special and (s := special(name, (1,) * len(shape), np.random.default_rng(0), h)):
-            t = s[1]                              # the type the architecture asks for (an I32 table, F32 scales)
-        size = math.prod(shape) * 4 if t == "I32" else math.prod(shape) // GGML_TYPES[t][1] * GGML_TYPES[t][2]
-        w.add_tensor_info(name, shape, np.float32, size, raw_dtype=gguf.GGMLQuantizationType[t])
+            types[name] = s[1]                    # the type the architecture asks for (an I32 table, F32 scales)
+        w.add_tensor_info(name, shape, np.float32, _nbytes(types[name], shape),
+                          raw_dtype=gguf.GGMLQuantizationType[types[name]])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     f = w.fout[0]
-    pad = lambda n: -(-n // w.data_alignment) * w.data_alignment
-    end = pad(f.tell()) + sum(pad(ti.nbytes) for ti in w.tensors[0].values())
-    w.close()
-    os.truncate(tmp, end)
-    tmp.replace(out)
+    w.write_padding(f, f.tell())
+    if sparse:                               # the data section left as a hole
+        end = f.tell() + sum(w.ggml_pad(ti.nbytes, w.data_alignment) for ti in w.tensors[0].values())
+        w.close()
+        os.truncate(tmp, end)
+    else:                                    # one tensor (an expert stack: one expert) in memory at a time
+        for idx, (name, shape) in enumerate(shapes.items()):
+            rng = np.random.default_rng([seed, idx])
+            n = sum(_write(f, a, types[name]) for a in _values(special, name, shape, types[name], rng, h))
+            assert n == _nbytes(types[name], shape), (name, n)
+            w.write_padding(f, n)
+        w.close()
+    tmp.replace(out)   # atomic: a half-written file never looks like a model
     return out
+
+
+def _nbytes(ggml_type: str, shape: tuple[int, ...]) -> int:
+    n = math.prod(shape)
+    return n * 4 if ggml_type == "I32" else n // GGML_TYPES[ggml_type][1] * GGML_TYPES[ggml_type][2]
+
+
+def _values(special, name: str, shape: tuple[int, ...], ggml_type: str, rng: np.random.Generator, h: Hparams):
+    """A tensor's values; an expert stack (E, rows, k) one expert at a time (the same draws as one whole draw)."""
+    if special and (s := special(name, shape, rng, h)):
+        assert s[1] == ggml_type, (name, s[1], ggml_type)
+        yield s[0]
+    elif len(shape) == 3:
+        for _ in range(shape[0]):
+            yield _weights(shape[1:], name, rng)
+    else:
+        yield _weights(shape, name, rng)
+
+
+def _write(f, a: np.ndarray, ggml_type: str) -> int:
+    """Values a appended to f in ggml_type (llama.cpp's quantizer for block types); the bytes written."""
+    if ggml_type in ("F32", "I32"):
+        data = a
+    elif ggml_type == "F16":
+        data = a.astype(np.float16)
+    else:
+        data = quantize(a, ggml_type)
+    data.tofile(f)
+    return data.nbytes
 
 
 def cached_model(spec: str, seed: int = 0) -> Path:
