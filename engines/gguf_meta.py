@@ -150,6 +150,12 @@ def _type_block(type_name: str) -> tuple[int, int]:
     return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
 
 
+def tensor_bytes(type_name: str, shape) -> int:
+    """Bytes a tensor of this ggml type and shape (numpy or ggml order) occupies; rows must be whole blocks."""
+    block, block_bytes = _type_block(type_name)
+    return math.prod(shape) // block * block_bytes       # python ints: no overflow, unlike np.prod
+
+
 def check_layout(buf, size: int) -> None:
     """Walk the header (counts, key/value pairs, tensor infos) before the gguf reader does, so a count or length
     that claims more than the file holds is one error here rather than a loop of 2**60 steps there.
@@ -248,11 +254,11 @@ def read_meta(path: str | Path, require_moe: bool = True) -> ModelMeta:
             name, ne, kind = t.name, tuple(int(d) for d in t.shape), t.tensor_type.name
             if any(d <= 0 or d > MAX_DIM for d in ne):
                 raise ValueError(f"tensor {name!r} has invalid shape {ne}")
-            block, block_bytes = _type_block(kind)
+            block, _ = _type_block(kind)
             if ne[0] % block:
                 raise ValueError(f"tensor {name!r} of type {kind} has rows of {ne[0]} values, not whole blocks of "
                                  f"{block}")
-            n_bytes = math.prod(ne) // block * block_bytes       # python ints: no overflow, unlike np.prod
+            n_bytes = tensor_bytes(kind, ne)
             if t.data_offset < reader.data_offset or t.data_offset + n_bytes > size:
                 raise ValueError(f"tensor {name!r} ({kind}, shape {ne}: {n_bytes} bytes) lies outside the file")
             tensors.append(TensorEntry(name, ne, kind, n_bytes, int(t.data_offset), expert_layer(name)))

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from engines.gguf_meta import tensor_bytes
 from engines.reference.dequant import BLOCKS, dequantize, dequantize_rows, row_bytes
-from engines.reference.qtensor import TYPES, QTensor, expected_bytes
+from engines.reference.qtensor import TYPES, QTensor
 from workloads.quantize import quantize
 
 K256 = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
@@ -112,7 +113,7 @@ def test_rows_interface_keeps_leading_dims():
 def test_sizes_agree_with_qtensor_and_gguf():
     for t, (_, blk, size) in TYPES.items():
         assert BLOCKS[t] == (blk, size) == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]]
-        assert row_bytes(t, 256 * 3) == expected_bytes(t, (1, 256 * 3))
+        assert row_bytes(t, 256 * 3) == tensor_bytes(t, (1, 256 * 3))
     for t in ("Q4_1", "Q5_0", "Q5_1", "IQ4_NL"):
         assert BLOCKS[t] == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]]
 

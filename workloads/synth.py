@@ -8,7 +8,6 @@ Numpy shapes are the reverse of ggml `ne`.
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from engines.errors import UserError
-from engines.gguf_meta import GGML_TYPES
+from engines.gguf_meta import tensor_bytes
 from engines.paths import cache_dir
 from engines.reference.archs import ARCHS, PRESETS, Hparams, Preset
 from workloads.quantize import FTYPES, quantize, tensor_types
@@ -82,7 +81,7 @@ def synthesize(preset: str | Preset, out: str | Path, seed: int = 0, dtype: str 
     for name, shape in shapes.items():     # the whole tensor table first, so the data can follow as it is made
         if special and (s := special(name, (1,) * len(shape), np.random.default_rng(0), h)):
             types[name] = s[1]                    # the type the architecture asks for (an I32 table, F32 scales)
-        w.add_tensor_info(name, shape, np.float32, _nbytes(types[name], shape),
+        w.add_tensor_info(name, shape, np.float32, tensor_bytes(types[name], shape),
                           raw_dtype=gguf.GGMLQuantizationType[types[name]])
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -97,16 +96,11 @@ def synthesize(preset: str | Preset, out: str | Path, seed: int = 0, dtype: str 
         for idx, (name, shape) in enumerate(shapes.items()):
             rng = np.random.default_rng([seed, idx])
             n = sum(_write(f, a, types[name]) for a in _values(special, name, shape, types[name], rng, h))
-            assert n == _nbytes(types[name], shape), (name, n)
+            assert n == tensor_bytes(types[name], shape), (name, n)
             w.write_padding(f, n)
         w.close()
     tmp.replace(out)   # atomic: a half-written file never looks like a model
     return out
-
-
-def _nbytes(ggml_type: str, shape: tuple[int, ...]) -> int:
-    n = math.prod(shape)
-    return n * 4 if ggml_type == "I32" else n // GGML_TYPES[ggml_type][1] * GGML_TYPES[ggml_type][2]
 
 
 def _values(special, name: str, shape: tuple[int, ...], ggml_type: str, rng: np.random.Generator, h: Hparams):

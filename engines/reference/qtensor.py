@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engines.gguf_meta import GGML_TYPES
+from engines.gguf_meta import GGML_TYPES, tensor_bytes
 
 TYPES = GGML_TYPES           # name -> (ggml type id, values per block, bytes per block)
 # the stored types the engine's products compute with (engines.reference.kernels, dequant)
@@ -83,17 +83,9 @@ class QTensor:
         if len(self.shape) < 1 or min(self.shape) < 1 or self.k % block:
             raise ValueError(f"{what}: shape {self.shape}: rows of {self.k} values are not whole blocks of {block} "
                              f"({self.type})")
-        r, n = self.raw, expected_bytes(self.type, self.shape)
+        r, n = self.raw, tensor_bytes(self.type, self.shape)
         if r.dtype != torch.uint8 or r.dim() != 1 or r.numel() != n:
             raise ValueError(f"{what}: {r.numel()} {r.dtype} values in {r.dim()} dims, but {self.type} {self.shape} "
                              f"takes {n} bytes")
         return self
 
-
-def expected_bytes(ggml_type: str, shape: tuple[int, ...]) -> int:
-    """Bytes a tensor of this type and numpy shape occupies; rows must be whole blocks."""
-    _, block, size = TYPES[ggml_type]
-    n = 1
-    for d in shape:
-        n *= d
-    return n // block * size

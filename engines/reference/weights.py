@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engines.errors import UserError
-from engines.gguf_meta import ModelMeta, TensorEntry
-from engines.reference.qtensor import COMPUTED, TYPES, QTensor, expected_bytes
+from engines.gguf_meta import ModelMeta, TensorEntry, tensor_bytes
+from engines.reference.qtensor import COMPUTED, TYPES, QTensor
 
 VECTOR_TYPES = ("F32", "F16", "BF16")      # the types vectors may be stored in (llama.cpp writes F32)
 
@@ -31,7 +31,7 @@ def check(entry: TensorEntry, shape: tuple[int, ...], matrix: bool) -> None:
         raise UserError(f"Tensor {entry.name!r} is stored as {entry.ggml_type}, which the reference engine does not "
                         f"compute with; supported: {', '.join(types)}.")
     block = TYPES[entry.ggml_type][1]
-    if entry.ne[0] % block or expected_bytes(entry.ggml_type, entry.shape) != entry.n_bytes:
+    if entry.ne[0] % block or tensor_bytes(entry.ggml_type, entry.shape) != entry.n_bytes:
         raise UserError(f"Tensor {entry.name!r} ({entry.ggml_type} {entry.shape}) occupies {entry.n_bytes} bytes, "
                         f"not whole {entry.ggml_type} rows; the file is corrupt.")
 

@@ -33,9 +33,7 @@ def synth(preset, dtype, seed, sparse, output) -> None:
 @user_errors
 def presets() -> None:
     """The synthesizer's presets: architecture, layers, experts, file type, size."""
-    import math
-
-    from engines.gguf_meta import GGML_TYPES
+    from engines.gguf_meta import tensor_bytes
     from engines.reference.archs import ARCHS, PRESETS
     from harness.analysis.tables import render
     from workloads.synth import tensor_shapes
@@ -46,7 +44,7 @@ def presets() -> None:
         h, shapes = p.h, tensor_shapes(p)
         types = tensor_types(p.dtype, shapes, h.n_layers, h.arch, n_expert=h.n_expert, n_head=h.n_head,
                              n_head_kv=h.n_head_kv)
-        size = sum(math.prod(s) // GGML_TYPES[t][1] * GGML_TYPES[t][2] for s, t in zip(shapes.values(), types.values()))
+        size = sum(tensor_bytes(types[n], s) for n, s in shapes.items())
         rows.append({"preset": name, "arch": h.arch, "layers": h.n_layers, "n_embd": h.n_embd,
                      "experts": f"{h.n_expert_used}/{h.n_expert}", "dtype": p.dtype, "GiB": size / 2**30,
                      "reference engine": "no" if ARCHS[h.arch].unsupported else "yes"})
