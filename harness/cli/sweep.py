@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from harness.cli.options import FORMAT, OUTPUT, split_list, user_errors
+from harness.run.spec import ROUND_ORDERS
 
 
 @click.command()
@@ -45,7 +46,7 @@ from harness.cli.options import FORMAT, OUTPUT, split_list, user_errors
                    "share of the repetitions, then round 2 ..., so drift falls on every engine and depth alike; "
                    "each cell is still one cell (default 3 with more than one engine, else 1; with --interleave "
                    "min(5, repetitions)).")
-@click.option("--round-order", type=click.Choice(["interleaved", "back-to-back"]), default="interleaved",
+@click.option("--round-order", type=click.Choice(ROUND_ORDERS), default=ROUND_ORDERS[0],
               show_default=True, help="back-to-back: each cell's rounds one after the other (the order before "
                                       "rounds interleaved; to measure what interleaving buys).")
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
