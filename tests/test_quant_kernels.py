@@ -168,6 +168,8 @@ def test_dequant_is_bit_exact(qk, t):
         assert out.dtype == torch.float32 and out.shape == (37, k)
         assert np.array_equal(out.numpy(), ref), f"{t} k={k}: f32 dequant differs from gguf-py"
         assert torch.equal(qk.dequant(q, torch.bfloat16), torch.from_numpy(ref).bfloat16()), f"{t} k={k}: bf16 dequant"
+        ids = torch.tensor([36, 0, 5, 5])                    # an embedding lookup: rows in any order, repeated
+        assert np.array_equal(qk.embed(q, ids).numpy(), ref[ids.numpy()]), f"{t} k={k}: embed"
     stack, sref = qtensor(t, (3, 5, k_of(t)[0]), seed=1)     # an expert stack, and one expert of it
     assert np.array_equal(qk.dequant(stack).numpy(), sref)
     assert np.array_equal(qk.dequant(stack.expert(2)).numpy(), sref[2])

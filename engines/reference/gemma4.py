@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engines.reference.model import Transformer, apply_rope, embed, route
+from engines.reference.model import Transformer, apply_rope, route
 from engines.reference.offload import Activation
 
 
@@ -85,7 +85,7 @@ class Gemma4(Transformer):
         return caches
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return embed(self.top["token_embd.weight"], tokens) * self.emb_scale     # (n, D)
+        return self.linear.embed(self.top["token_embd.weight"], tokens) * self.emb_scale     # (n, D)
 
     def block(self, il: int, x: torch.Tensor, pos: int) -> torch.Tensor:
         x = x + self.attention(il, x, pos)                                        # attn_out

@@ -45,11 +45,13 @@ class Products:
                            for r in range(0, w.n_rows, rows)], dim=-1).float()
         return y if b is None else y + b
 
-
-def embed(w: QTensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ids (n,) of a stored (V, D) matrix -> (n, D) f32: only those rows are dequantized."""
-    rows = w.raw.view(w.shape[0], w.row_bytes)[ids.to(w.device)]          # (n, row_bytes)
-    return dequantize_rows(rows, w.type, w.k).to(ids.device)
+    def embed(self, w: QTensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ids (n,) of a stored (V, D) matrix -> (n, D) f32: only those rows are dequantized (on the CPU by
+        the kernels in one call, elsewhere by dequant.py; bit-exact either way)."""
+        if w.device.type == "cpu":
+            return self.kernels.embed(w, ids)
+        rows = w.raw.view(w.shape[0], w.row_bytes)[ids.to(w.device)]      # (n, row_bytes)
+        return dequantize_rows(rows, w.type, w.k).to(ids.device)
 
 
 def rope_tables(cfg: Hparams, n_ctx: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,10 +179,7 @@ class Transformer:
         """Empty the caches: stale KV rows past the position are never read (recurrent states override)."""
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        w = self.top["token_embd.weight"]
-        if self.fused is not None:        # on the CPU: the kernels' dequant of those rows, one call (not ~15 ops)
-            return self.linear.kernels.embed(w, tokens)
-        return embed(w, tokens)                                                 # (n, D)
+        return self.linear.embed(self.top["token_embd.weight"], tokens)        # (n, D)
 
     def block(self, il: int, x: torch.Tensor, pos: int) -> torch.Tensor:
         """Layer il on the residual x (n, D) f32 at positions pos..pos+n-1 -> the new residual."""
