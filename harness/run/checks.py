@@ -57,7 +57,7 @@ def model_problems(meta: ModelMeta) -> list[str]:
             if required:
                 out.append(f"metadata {key(k)} is missing")
             return None
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        if not _is_int(v) or not lo <= v <= hi:
             out.append(f"metadata {key(k)} = {_show(v)} must be a whole number in {lo}..{hi}")
             return None
         return v
