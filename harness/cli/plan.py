@@ -27,14 +27,12 @@ from harness.planning.plan import ENGINES
 @user_errors
 def plan(model, n_ctx, engine, n_ubatch, n_batch, flash_attn, device, runs, results_dir, no_calibrate, fmt, output):
     """Bytes on the accelerator and in host RAM for every --n-cpu-moe depth (from the GGUF table)."""
-    from engines.gguf_meta import read_meta
-    from harness.run.checks import check_model
+    from harness.run.checks import read_checked
     from harness.analysis.tables import render
     from harness.planning.plan import PlanSettings, find_runs, make_plan
     from workloads.synth import resolve_model
 
-    meta = read_meta(resolve_model(model))
-    check_model(meta)
+    meta = read_checked(resolve_model(model))
     s = PlanSettings(engine, n_ctx, n_ubatch, n_batch, flash_attn, device)
     p = make_plan(meta, s, [] if no_calibrate else [Path(r) for r in runs] or find_runs(Path(results_dir)))
     render(p.rows(), fmt, title=f"memory plan: {meta.name}, {engine}, ctx {n_ctx} (KV {p.bytes.kv_dtype}, "

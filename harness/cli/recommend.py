@@ -30,16 +30,14 @@ def recommend(model, vram, ram, n_ctx, objective, runs, margin, engine, n_ubatch
     import psutil
 
     from engines.devices import free_vram
-    from engines.gguf_meta import read_meta
-    from harness.run.checks import check_model
+    from harness.run.checks import read_checked
     from harness.analysis.tables import render
     from harness.planning.plan import PlanSettings, make_plan
     from harness.planning.recommend import recommend_depth, table, to_json
     from harness.units import GiB, parse_size
     from workloads.synth import resolve_model
 
-    meta = read_meta(resolve_model(model))
-    check_model(meta)
+    meta = read_checked(resolve_model(model))
     if vram:
         vram_b, vram_src = parse_size(vram, "--vram"), "given"
     elif (vram_b := free_vram()) is not None:

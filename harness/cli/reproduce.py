@@ -29,10 +29,9 @@ from harness.cli.options import FORMAT, split_list, user_errors
 def reproduce(published_model, model_file, revision, engines, workloads, repetitions, threads, clamp, dry_run,
               results_dir, reports_dir, fmt) -> None:
     """Plan and run the sweep behind one published table, then report it against the published numbers."""
-    from engines.gguf_meta import read_meta
     from harness.analysis.published import REPETITIONS, load, plan_depths, revision_key, select, workload_order
     from harness.analysis.tables import render
-    from harness.run.checks import check_model
+    from harness.run.checks import read_checked
     from harness.run.spec import SweepSpec
 
     df = select(load(), model=published_model, revision=revision)
@@ -42,8 +41,7 @@ def reproduce(published_model, model_file, revision, engines, workloads, repetit
                         f"reference,llama-cpp.")
     if not Path(model_file).exists():
         raise UserError(f"--model-file {model_file!r} does not exist; pass the path of a GGUF file.")
-    meta = read_meta(model_file)
-    check_model(meta)
+    meta = read_checked(model_file)
     depths, warning = plan_depths(sorted(set(df["n_cpu_moe"].astype(int))), meta.n_layers, clamp, df["model"].iloc[0])
     reps_published = REPETITIONS[revision_key(df["doc_revision"].iloc[0])]
     # One repetition count for every engine keeps it one matched sweep; the larger count means

@@ -24,13 +24,20 @@ import math
 import re
 
 from engines.errors import UserError
-from engines.gguf_meta import ModelMeta, clean_text
+from engines.gguf_meta import ModelMeta, clean_text, read_meta
 
 MAX_LAYERS, MAX_EXPERTS = 512, 1024        # llama-hparams.h: LLAMA_MAX_LAYERS, LLAMA_MAX_EXPERTS
 MAX_COUNT = (1 << 31) - 1
 ARCH_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 BLOCK = re.compile(r"^blk\.(\d+)\.")
 ROUTER = re.compile(r"^blk\.\d+\.ffn_gate_inp\.weight$")
+
+
+def read_checked(path) -> ModelMeta:
+    """read_meta(path), after check_model: what every command that takes a model file reads it with."""
+    meta = read_meta(path)
+    check_model(meta)
+    return meta
 
 
 def check_model(meta: ModelMeta) -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from engines.base import EngineSettings, parse_depth
 from engines.errors import UserError
-from engines.gguf_meta import ModelMeta, read_meta
+from engines.gguf_meta import ModelMeta
 from engines.registry import check_available
-from harness.run.checks import check_model
+from harness.run.checks import read_checked
 from harness.store.results import CellKey
 from workloads.grammar import DEFAULT_WORKLOADS, parse_workloads
 from workloads.synth import resolve_model
@@ -105,8 +105,7 @@ def expand(spec: SweepSpec) -> list[Cell]:
                         f"({max(w.n_ctx_needed for w in workloads)}); raise it or leave it unset.")
     cells = []
     for m in spec.models:
-        meta = read_meta(resolve_model(m, spec.seed))
-        check_model(meta)            # what every engine needs of the file, once, before any cell starts
+        meta = read_checked(resolve_model(m, spec.seed))   # what every engine needs of the file, before any cell
         depths: dict[int, str] = {}
         for d in spec.depths:
             depths.setdefault(parse_depth(d, meta.n_layers), d)
