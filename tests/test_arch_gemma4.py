@@ -67,7 +67,7 @@ def llama(files) -> dict[str, tuple[np.ndarray, list[int], np.ndarray]]:
 def engine(path: Path, depth: int, **extra) -> ReferenceEngine:
     e = ReferenceEngine()
     e.load(path, EngineSettings(n_cpu_moe=depth, n_ctx=N_CTX, n_ubatch=N_UBATCH, threads=THREADS,
-                                extra={"logits_all": True} | extra))
+                                extra={"logits_all": True, "cache_type": "f32"} | extra))
     return e
 
 
@@ -112,7 +112,8 @@ def test_ubatch_wider_than_the_window_and_reset(files, llama):
     """64-token ubatches (the window is 24): the mask keeps each query's own window inside one ubatch, and
     the same engine after reset() gives the same logits again."""
     e = ReferenceEngine()
-    e.load(files["f32"], EngineSettings(n_ctx=N_CTX, n_ubatch=64, threads=THREADS, extra={"logits_all": True}))
+    e.load(files["f32"], EngineSettings(n_ctx=N_CTX, n_ubatch=64, threads=THREADS,
+                                        extra={"logits_all": True, "cache_type": "f32"}))
     e.prefill(PROMPT)
     first = e.logits().numpy().copy()
     assert np.abs(first - llama["f32"][0]).max() < LOGIT_ATOL

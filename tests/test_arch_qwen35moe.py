@@ -70,7 +70,7 @@ def llama(files) -> dict[str, tuple]:
 def engine(path: Path, depth: int, n_ubatch: int = UBATCH, **extra) -> ReferenceEngine:
     e = ReferenceEngine()
     e.load(path, EngineSettings(n_cpu_moe=depth, n_ctx=256, n_ubatch=n_ubatch, threads=2,
-                                extra={"logits_all": True} | extra))
+                                extra={"logits_all": True, "cache_type": "f32"} | extra))
     return e
 
 

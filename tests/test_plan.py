@@ -35,9 +35,10 @@ def test_plan_arithmetic_on_tiny_by_hand(tiny):
     for n in range(5):
         assert g.at(n).non_expert_bytes == NON_EXPERT - embed and g.at(n).host_bytes == n * EXPERTS_PER_LAYER + embed
         assert g.at(n).compute_bytes == p.at(n).compute_bytes + (EXPERTS_PER_LAYER if n else 0)
-    # the reference engine: f32 file -> f32 compute and KV, no padding, one staging layer on the CPU
+    # the reference engine: f32 file -> f32 compute, f16 KV (as llama.cpp's) without padding, one staging layer
+    # on the CPU
     r = make_plan(meta, PlanSettings(engine="reference", n_ctx=300, device="cpu"))
-    assert r.at(0).kv_bytes == 2 * 4 * 2 * 300 * 32 * 4
+    assert r.at(0).kv_bytes == 2 * 4 * 2 * 300 * 32 * 2
     assert r.at(0).staging_bytes == 0 and r.at(3).staging_bytes == EXPERTS_PER_LAYER
     assert r.at(4).host_bytes == 4 * EXPERTS_PER_LAYER and r.at(4).expert_accel_bytes == 0
 
@@ -89,6 +90,27 @@ def test_plan_matches_reference_engine_info(tiny, depth):
     assert held["non_experts"]["accelerator"] == pytest.approx(d.non_expert_bytes, rel=0.02)
     assert held["kv_cache"]["accelerator"] == pytest.approx(d.kv_bytes, rel=0.02)
     assert held["staging"]["accelerator"] == d.staging_bytes
+
+
+def test_both_engines_hold_the_same_kv_bytes(tiny):
+    """On the CPU both KV caches hold f16 (llama.cpp's default; the reference engine's cache_type): at a context
+    llama.cpp does not pad (a multiple of 256 cells) the bytes are the same, f32 on request twice them."""
+    from engines.llama_cpp import LlamaCppEngine
+    from engines.reference.engine import ReferenceEngine
+
+    lc = LlamaCppEngine()
+    lc.load(tiny, EngineSettings(n_ctx=512, threads=2))
+    theirs = lc.info().bytes_by_device["kv:CPU"]
+    lc.close()
+    held = {}
+    for cache in ("f16", "f32"):
+        e = ReferenceEngine()
+        e.load(tiny, EngineSettings(n_ctx=512, threads=2, device="cpu", extra={"cache_type": cache}))
+        held[cache] = e.info().extra["held_bytes"]["kv_cache"]["accelerator"]
+        assert e.info().extra["kv_cache_dtype"] == {"f16": "float16", "f32": "float32"}[cache]
+        e.close()
+    assert held["f16"] == theirs == 512 * 4 * 2 * 2 * 32 * 2      # cells x layers x kv heads x (K+V) x hd x f16
+    assert held["f32"] == 2 * theirs
 
 
 def test_plan_calibrates_from_a_real_sweep(tiny, tmp_path):

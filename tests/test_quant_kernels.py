@@ -342,6 +342,44 @@ def test_moe_decode_matches_float_experts(qk, act, gt, dt, D, ff):
             assert y.shape == (D,) and err <= tol, f"{gt}/{dt} {act} stacked={stacked} bias={bias}: {err:.2e} of max"
 
 
+@pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
+@pytest.mark.parametrize("gt,dt,D,ff", MOE_CASES)
+def test_moe_prefill_is_moe_decode_per_token(qk, act, gt, dt, D, ff):
+    """Many tokens' experts (grouped by expert; each expert's rows through the rows kernel, or with
+    rows_max 0 through dequantized tiles and the f32 GEMM) against moe_decode token by token, fused
+    gate_up and separate, with biases. Float weights: the same products in another float order, within
+    1e-5 of the largest output (measured <= 2.9e-6). Quantized: the rows path multiplies the same int8
+    values (measured: identical in 37 of 40 cases, else <= 5e-5, where a float-order difference moved an
+    activation across an int8 rounding boundary of the down product's x); the GEMM path the same values
+    in f32 (measured <= 4.2e-4 for Q4_K/Q6_K); bound 3e-3. Routed experts include one no token picks and
+    one with a single row."""
+    E, n, k = 6, 37, 3
+    g = np.random.default_rng(9)
+    fused, _ = qtensor(gt, (E, 2 * ff, D), seed=2)
+    gate, _ = qtensor(gt, (E, ff, D), seed=3)
+    up, _ = qtensor(gt, (E, ff, D), seed=4)
+    down, _ = qtensor(dt, (E, D, ff), seed=5)
+    x = torch.from_numpy((g.standard_normal((n, D)) * 3 / np.sqrt(D)).astype(np.float32))
+    ids = torch.from_numpy(np.stack([g.permutation(4)[:k] for _ in range(n)]))      # experts 0..3
+    ids[0, 0] = 5                                                                     # expert 5: one row
+    w = torch.from_numpy(g.random((n, k)).astype(np.float32))
+    gb, ub = (torch.from_numpy(g.standard_normal((E, ff)).astype(np.float32)) for _ in range(2))
+    db = torch.from_numpy((g.standard_normal((E, D)) * np.sqrt(ff)).astype(np.float32))
+    tol = 1e-5 if gt in FLOAT and dt in FLOAT else 3e-3
+    for stacked in (True, False):
+        mats = (fused, None, down) if stacked else (gate, up, down)
+        want = torch.stack([qk.moe_decode(x[t], ids[t], w[t], *mats, act, gate_bias=gb, up_bias=ub, down_bias=db)
+                            for t in range(n)])
+        scale = want.abs().max()
+        got = qk.moe_prefill(x, ids, w, *mats, act, gate_bias=gb, up_bias=ub, down_bias=db, bf16=False)
+        assert (got - want).abs().max() <= tol * scale, f"rows {gt}/{dt} stacked={stacked}"
+        if gt in ("Q4_K", "BF16"):                       # the GEMM path: every expert past rows_max 0
+            _, ff_, _, stacks = kernels._stacks(*mats, act, gb, ub, db)
+            got = qk.ext.moe_prefill(x, ids, w, E, ff_, *stacks, kernels.ACTIVATIONS[act], 1.702, 7.0, gb, ub, db,
+                                     0, 0, 0)
+            assert (got - want).abs().max() <= tol * scale, f"gemm {gt}/{dt} stacked={stacked}"
+
+
 def test_gelu_is_ggmls_f16_table(qk):
     """moe_decode's GELU: every f16 input equals libggml-cpu's own table (ggml_table_gelu_f16, filled by
     ggml_cpu_init), 0 at or below -10, x at or above 10. offload.gelu (torch) computes the same table
@@ -452,6 +490,10 @@ def test_bad_input_is_refused(qk):
     with pytest.raises(ValueError, match="do not fit"):            # an expert stride past the stack
         qk.ext.moe_decode(torch.randn(32), ids, w, 4, 32, gu.raw, 0, 10**6, gu.code, gu.raw, 0, 64 * 34, gu.code,
                           dn.raw, 0, 32 * 34, dn.code, 0, 1.702, 7.0, None, None, None, None)
+    with pytest.raises(ValueError, match="moe_prefill: x"):
+        qk.moe_prefill(torch.randn(3, 32), ids[None].expand(2, 2), w[None].expand(2, 2), gu, None, dn)
+    with pytest.raises(ValueError, match="expert id 4 out of range"):
+        qk.moe_prefill(torch.randn(2, 32), torch.tensor([[1, 3], [0, 4]]), w[None].expand(2, 2), gu, None, dn)
     with pytest.raises(ValueError, match="expert id 7 out of range"):
         qk.ext.moe_decode(torch.randn(32), torch.tensor([7]), torch.tensor([1.0]), 4, 32,
                           gu.raw, 0, 64 * 34, gu.code, gu.raw, 32 * 34, 64 * 34, gu.code, dn.raw, 0, 32 * 34, dn.code,

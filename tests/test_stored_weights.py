@@ -45,7 +45,7 @@ def reference(path, depth: int, tokens=PROMPT, **extra) -> tuple[np.ndarray, Ref
     e = ReferenceEngine()
     dtype = extra.pop("dtype", "auto")
     e.load(path, EngineSettings(n_cpu_moe=depth, n_ctx=128, n_ubatch=16, threads=2, dtype=dtype,
-                                extra={"logits_all": True} | extra))
+                                extra={"logits_all": True, "cache_type": "f32"} | extra))
     e.prefill(tokens)
     return e.logits().numpy(), e
 

@@ -19,6 +19,9 @@ Knobs in EngineSettings.extra (all optional):
                         transparent huge pages (weights.hugepage_copy; default true; false: the file mapping)
   fused_decode          CPU device: one-token decode through the fused C++ block steps where the architecture
                         allows (kernels.FusedDecode; default true; false: the model's ATen ops)
+  cache_type            CPU device: the KV cache's type, "f16" (default: llama.cpp's, so both engines hold the
+                        same KV bytes) or "f32" (to compare with llama.cpp run with type_k = type_v = f32); on
+                        CUDA the cache holds the compute dtype
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from engines.errors import UserError
 
 VERSION = "0.2.0"
 TORCH_DTYPES = ("f32", "bf16", "f16")
+CACHE_TYPES = {"f16": "float16", "f32": "float32"}          # cache_type -> torch dtype
 
 
 class ReferenceEngine(Engine):
@@ -103,6 +107,9 @@ class ReferenceEngine(Engine):
                                 "use --device cpu or auto.")
         if s.threads < 1 or s.n_ubatch < 1 or s.n_ctx < 1:
             raise UserError("threads, n_ubatch and n_ctx must be positive whole numbers.")
+        cache_type = str(x.get("cache_type", "f16"))
+        if cache_type not in CACHE_TYPES:
+            raise UserError(f"cache_type {cache_type!r} is not one of {', '.join(CACHE_TYPES)}.")
         if s.dtype not in ("auto", *TORCH_DTYPES):
             raise UserError(f"dtype {s.dtype!r} is not supported by the reference engine; use auto, f32, bf16 or f16.")
         torch.set_num_threads(s.threads)
@@ -151,7 +158,8 @@ class ReferenceEngine(Engine):
         self.moe = MoEExecutor(stacks, ocfg, device, linear, Activation(arch.activation), kernels=qk)
         module, cls = arch.model.split(":")
         model_class = getattr(importlib.import_module(module), cls)
-        self.model = model_class(cfg, layers, top, self.moe, linear, s.n_ctx, device, linear.dtype)
+        self.model = model_class(cfg, layers, top, self.moe, linear, s.n_ctx, device, linear.dtype,
+                                 cache_dtype=getattr(torch, CACHE_TYPES[cache_type]))
         if not x.get("fused_decode", True):
             self.model.fused = None
         hold.ledger.add("kv_cache", "accelerator", 0, self.model.cache_bytes - self.model.state_bytes)
@@ -227,6 +235,7 @@ class ReferenceEngine(Engine):
             extra=lg.to_dict() | {
                 "arch": self.cfg.arch, "attention": "torch scaled_dot_product_attention", "file_dtype": self.stored,
                 "compute_dtype": self._dtype_name, "cpu_isa": self.isa,
+                "kv_cache_dtype": str(self.model.cache_dtype).removeprefix("torch."),
                 "host_device": "cpu", "accelerator_device": str(self.device),
                 "cpu_moe_threads_rule": self._host_threads_rule, "weights_hugepages": self._huge,
                 "fused_decode": getattr(self.model, "fused", None) is not None,

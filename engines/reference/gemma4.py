@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engines.reference.model import Transformer, apply_rope, route
+from engines.reference.model import Transformer, apply_rope, kv_window, route
 from engines.reference.offload import Activation
 
 
@@ -68,7 +68,7 @@ class Gemma4(Transformer):
         caches = []
         for il in range(cfg.n_layers):
             Hkv, hd = (cfg.n_head_kv, cfg.head_dim) if cfg.is_swa(il) else (cfg.n_head_kv_full, cfg.head_dim_full)
-            k = torch.zeros(Hkv, self.n_ctx, hd, dtype=self.kv_dtype, device=dev)
+            k = torch.zeros(Hkv, self.n_ctx, hd, dtype=self.cache_dtype, device=dev)
             caches.append((k, torch.zeros_like(k)))
         swa = rope_cache(self.n_ctx, cfg.n_rot or cfg.head_dim, cfg.rope_base_swa)      # sliding: freq_scale 1
         full = rope_cache(self.n_ctx, cfg.n_rot_full or cfg.head_dim_full, cfg.rope_base, cfg.rope_scale,
@@ -110,9 +110,9 @@ class Gemma4(Transformer):
         end = pos + n
         K[:, pos:end] = qk[:, H:].transpose(0, 1)
         V[:, pos:end] = v.transpose(0, 1)
-        q = qk[:, :H].to(K.dtype)
         lo = max(0, pos - cfg.n_swa + 1) if swa else 0                            # the first query's oldest key
-        Kw, Vw = K[:, lo:end], V[:, lo:end]                                       # (Hkv, T, hd)
+        Kw, Vw = kv_window(K, V, lo, end)                                         # (Hkv, T, hd)
+        q = qk[:, :H].to(Kw.dtype)
         if n == 1:   # decode: every key of the window is visible; batched matmuls beat SDPA for one query
             p = torch.softmax((q.view(Hkv, H // Hkv, hd) @ Kw.transpose(1, 2)).float(), dim=-1)   # scale 1
             o = (p.to(Vw.dtype) @ Vw).reshape(1, H * hd)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.reference.archs.gpt_oss import GptOssHparams
-from engines.reference.model import Transformer, apply_rope
+from engines.reference.model import Transformer, apply_rope, kv_window
 
 BETA_FAST, BETA_SLOW = 32.0, 1.0      # llama.cpp's YaRN defaults; gpt-oss's GGUF keys for them are not read
 
@@ -75,8 +75,8 @@ class GptOss(Transformer):
     def make_caches(self) -> list:
         cfg = self.cfg
         kv_shape = (cfg.n_layers, cfg.n_head_kv, self.n_ctx, cfg.head_dim)
-        k = torch.zeros(kv_shape, dtype=self.kv_dtype, device=self.device)     # (L, Hkv, n_ctx, hd)
-        v = torch.zeros(kv_shape, dtype=self.kv_dtype, device=self.device)
+        k = torch.zeros(kv_shape, dtype=self.cache_dtype, device=self.device)  # (L, Hkv, n_ctx, hd)
+        v = torch.zeros(kv_shape, dtype=self.cache_dtype, device=self.device)
         tables = {b: yarn_tables(cfg, b, self.n_ctx, self.device) for b in {cfg.base(il) for il in range(cfg.n_layers)}}
         self.rope = [tables[cfg.base(il)] for il in range(cfg.n_layers)]      # per layer: cos, sin (n_ctx, 1, hd)
         return list(zip(k.unbind(0), v.unbind(0)))
@@ -103,7 +103,7 @@ class GptOss(Transformer):
         Vc[:, pos:end] = v.view(n, Hkv, hd).transpose(0, 1)
         swa = cfg.is_swa(il)
         start = max(0, pos - cfg.n_swa + 1) if swa else 0                        # first key the first query sees
-        K, V = Kc[:, start:end], Vc[:, start:end]                                # (Hkv, m, hd)
+        K, V = kv_window(Kc, Vc, start, end)                                     # (Hkv, m, hd)
         if n == 1:   # decode: batched matmuls over the window, the sink as one more score column
             sc = torch.baddbmm(self.no_bias, q.view(Hkv, H // Hkv, hd), K.transpose(1, 2), beta=0, alpha=hd ** -0.5)
             p = torch.softmax(torch.cat((sc.float(), self.sinks[il]), -1), dim=-1)   # (Hkv, G, m+1)

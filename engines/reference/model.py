@@ -77,6 +77,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
     return torch.addcmul(x * cos, rotated, sin)
 
 
+def kv_window(Kc: torch.Tensor, Vc: torch.Tensor, lo: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows lo..end-1 of a layer's K/V cache (Hkv, n_ctx, hd) as the attention computes with them: f32 on the
+    CPU, where the cache holds f16 (llama.cpp's default cache type, so both engines hold the same KV bytes) and
+    ATen's batched matmuls are fast only in f32; elsewhere as held (the compute dtype)."""
+    if Kc.device.type != "cpu":
+        return Kc[:, lo:end], Vc[:, lo:end]
+    return Kc[:, lo:end].float(), Vc[:, lo:end].float()
+
+
 def attention(cfg: Hparams, lw: Layer, linear: Products, Kc: torch.Tensor, Vc: torch.Tensor,
               cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, pos: int) -> torch.Tensor:
     """x: (n, D) f32 residual -> attention output (n, D) f32, writing K/V into the layer's cache
@@ -94,15 +103,16 @@ def attention(cfg: Hparams, lw: Layer, linear: Products, Kc: torch.Tensor, Vc: t
         q = F.rms_norm(q, (hd,), lw["attn_q_norm.weight"], cfg.rms_eps)
         k = F.rms_norm(k, (hd,), lw["attn_k_norm.weight"], cfg.rms_eps)
     c, s, neox = cos[pos:pos + n, None, :], sin[pos:pos + n, None, :], cfg.has("rope_neox")
-    q, k = apply_rope(q, c, s, neox).to(Kc.dtype), apply_rope(k, c, s, neox).to(Kc.dtype)
+    q, k = apply_rope(q, c, s, neox), apply_rope(k, c, s, neox)
     end = pos + n
     Kc[:, pos:end] = k.transpose(0, 1)
     Vc[:, pos:end] = v.view(n, Hkv, hd).transpose(0, 1)
-    K, V = Kc[:, :end], Vc[:, :end]                                    # (Hkv, end, hd)
+    K, V = kv_window(Kc, Vc, 0, end)                                   # (Hkv, end, hd)
+    q = q.to(K.dtype)
     if n == 1:   # decode: plain batched matmuls; on CPU 10x faster than SDPA for one query at 4K context
         qg = q.view(Hkv, H // Hkv, hd)                                 # head h reads kv head h // (H/Hkv)
         att = torch.softmax((qg @ K.transpose(1, 2)).float() * hd ** -0.5, dim=-1)   # (Hkv, G, end)
-        o = (att.to(Kc.dtype) @ V).reshape(1, cfg.q_dim)              # (1, H*hd)
+        o = (att.to(V.dtype) @ V).reshape(1, cfg.q_dim)               # (1, H*hd)
     else:
         q, K, V = q.transpose(0, 1)[None], K[None], V[None]                # (1, H, n, hd), (1, Hkv, end, hd)
         if pos == 0:
@@ -142,13 +152,15 @@ class Transformer:
     (engines.reference.offload.MoEExecutor) runs those. top: the tensors outside the blocks."""
 
     def __init__(self, cfg: Hparams, layers: list[Layer], top: Layer, moe, linear: Products, n_ctx: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype = torch.float16):
         self.cfg, self.layers, self.top, self.moe, self.linear = cfg, layers, top, moe, linear
         self.n_ctx, self.device, self.dtype = n_ctx, device, dtype
-        # KV cache (and attention math) in f32 on CPU: ATen's bf16 batched matmul has no fast kernel
-        # (decode at 4K context: 1.6 ms vs 0.26 ms per layer for f32) and f32 SDPA prefill runs as fast
-        # as bf16; on CUDA the cache uses the compute dtype.
-        self.kv_dtype = torch.float32 if device.type == "cpu" else dtype
+        # On the CPU the KV cache holds cache_dtype (f16 by default, as llama.cpp's) and attention computes in
+        # f32 (kv_window): ATen's bf16/f16 batched matmul has no fast CPU kernel (decode at 4K context: 1.6 ms
+        # vs 0.26 ms per layer for f32) and f32 SDPA prefill runs as fast as bf16. On CUDA both are the
+        # compute dtype.
+        self.cache_dtype = cache_dtype if device.type == "cpu" else dtype
+        self.kv_dtype = torch.float32 if device.type == "cpu" else dtype     # attention math
         self.caches = self.make_caches()
         # one token on the CPU: attention and routing as one C++ call each (kernels.FusedDecode), when the
         # kernels implement every feature of the architecture; None: the ops below (engine extra fused_decode)
@@ -160,8 +172,8 @@ class Transformer:
         decode is bound by per-op overhead)."""
         cfg = self.cfg
         kv_shape = (cfg.n_layers, cfg.n_head_kv, self.n_ctx, cfg.head_dim)
-        k = torch.zeros(kv_shape, dtype=self.kv_dtype, device=self.device)     # (L, Hkv, n_ctx, hd)
-        v = torch.zeros(kv_shape, dtype=self.kv_dtype, device=self.device)
+        k = torch.zeros(kv_shape, dtype=self.cache_dtype, device=self.device)  # (L, Hkv, n_ctx, hd)
+        v = torch.zeros(kv_shape, dtype=self.cache_dtype, device=self.device)
         self.cos, self.sin = rope_tables(cfg, self.n_ctx, self.device)           # (n_ctx, hd)
         return list(zip(k.unbind(0), v.unbind(0)))
 

@@ -154,7 +154,7 @@ def num_threads(n: int):
 class MoEExecutor:
     """Runs layer il's routed experts for a batch, on the path the placement and batch size select.
     `linear(x, qt)` is the model's product with a stored matrix (engines.reference.model.Products);
-    `kernels` the CPU kernels (their fused one-token moe_decode) or None."""
+    `kernels` the CPU kernels (their moe_decode and moe_prefill) or None."""
 
     def __init__(self, layers: list[ExpertStack | None], cfg: OffloadConfig, device: torch.device,
                  linear: Callable, act: Activation, kernels=None):
@@ -202,18 +202,23 @@ class MoEExecutor:
             w = w * s.scale.to(w.device)[ids]
         if path == "stream":
             return self._stream(il, x, ids, w)
-        on_cpu = path == "host" or not self.cuda
-        if not on_cpu:
-            return grouped_experts(self.linear, s, x, ids, w, self.act)
+        if self.cuda and path == "resident":
+            return self._compute(s, x, ids, w)
         with num_threads(self.cfg.host_threads if path == "host" else self.cfg.threads):
             xc, ic, wc = x.cpu(), ids.cpu(), w.cpu()
             gb, ub, db = (None if t is None else t.cpu() for t in s.biases())    # vectors live on the accelerator
-            if xc.shape[0] == 1 and self.kernels is not None:     # one token: gate, up, act, down, sum in one call
-                y = self.kernels.moe_decode(xc, ic[0], wc[0], s.gate, s.up, s.down, self.act.name,
-                                            self.act.alpha, self.act.limit, gb, ub, db)
-            else:
-                y = grouped_experts(self.linear, replace(s, gate_b=gb, up_b=ub, down_b=db), xc, ic, wc, self.act)
+            y = self._compute(replace(s, gate_b=gb, up_b=ub, down_b=db), xc, ic, wc)
         return y.to(self.device, non_blocking=True)
+
+    def _compute(self, s: ExpertStack, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Stack s's experts on the device its bytes are on: on the CPU the kernels' one call (gate, up,
+        activation, down and the weighted sum; for many tokens grouped by expert), else grouped_experts."""
+        if s.gate.device.type != "cpu" or self.kernels is None:
+            return grouped_experts(self.linear, s, x, ids, w, self.act)
+        a = (s.gate, s.up, s.down, self.act.name, self.act.alpha, self.act.limit, *s.biases())
+        if x.shape[0] == 1:
+            return self.kernels.moe_decode(x, ids[0], w[0], *a)
+        return self.kernels.moe_prefill(x, ids, w, *a, bf16=self.linear.dtype == torch.bfloat16)
 
     # --- stream path ----------------------------------------------------------------------------
 
@@ -229,10 +234,12 @@ class MoEExecutor:
 
     def _staged(self, il: int, b: int, used: torch.Tensor | None) -> ExpertStack:
         """Layer il's stack read from staging buffer b: slot s holds expert used[s] (or expert s when the
-        whole layer was prefetched, used None); the small biases are gathered the same way."""
+        whole layer was prefetched, used None), a stack of the staged experts only; the small biases are
+        gathered the same way."""
         s = self.layers[il]
+        k = s.gate.shape[0] if used is None else len(used)
         views = iter(buf[:m.nbytes] for m, buf in zip(s.matrices, self.staging[b]))
-        mats = [m if m is None else m.with_raw(next(views)) for m in (s.gate, s.up, s.down)]
+        mats = [m if m is None else m.with_raw(next(views)).head(k) for m in (s.gate, s.up, s.down)]
         biases = [None if t is None else (t if used is None else t[used.to(t.device)]).to(self.device)
                   for t in s.biases()]
         return replace(s, gate=mats[0], up=mats[1], down=mats[2], gate_b=biases[0], up_b=biases[1],
@@ -263,7 +270,7 @@ class MoEExecutor:
             slot_ids = lut[ids]                       # (n, k) staging slot of each routed expert
         if self.cuda:
             self._prefetch_next(il, 1 - b)
-        y = grouped_experts(self.linear, self._staged(il, b, used), x, slot_ids, w, self.act)
+        y = self._compute(self._staged(il, b, used), x, slot_ids, w)
         if self.cuda:
             ev = torch.cuda.Event()
             ev.record()

@@ -62,6 +62,10 @@ class QTensor:
         n = self.matrix_bytes
         return QTensor(self.raw[e * n:(e + 1) * n], self.type, self.shape[1:])
 
+    def head(self, k: int) -> "QTensor":
+        """Matrices 0..k-1 of an expert stack (E, N, K), a view of the same bytes."""
+        return QTensor(self.raw[:k * self.matrix_bytes], self.type, (k, *self.shape[1:]))
+
     def rows(self, start: int, stop: int) -> "QTensor":
         """Rows start..stop-1 of a matrix (N, K), a view (e.g. the gate half of a fused gate_up matrix)."""
         rb = self.row_bytes

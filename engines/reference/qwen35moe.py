@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engines.reference.model import Transformer, apply_rope, route, shared_expert
+from engines.reference.model import Transformer, apply_rope, kv_window, route, shared_expert
 
 CHUNK = 64   # llama.cpp's DeltaNet chunk for a per-head gate (delta-net-base.cpp:61); the result does not depend on it
 
@@ -104,13 +104,13 @@ class Qwen35MoE(Transformer):
     """caches[il]: (K, V) (Hkv, n_ctx, hd) for attention layers, (conv rows (K-1, conv_dim), S (Hv, dk, dv)) f32
     for DeltaNet layers, () for MTP blocks."""
 
-    def __init__(self, cfg, layers, top, moe, linear, n_ctx, device, dtype):
-        super().__init__(cfg, layers, top, moe, linear, n_ctx, device, dtype)
+    def __init__(self, cfg, *args, **kw):
+        super().__init__(cfg, *args, **kw)
         d = cfg.ssm_state     # l2-normed q also takes the output scale 1/sqrt(d): (2, 1, 1) factors for q, k
-        self.qk_scale = torch.tensor([1 / d, d ** -0.5], device=device)[:, None, None]
+        self.qk_scale = torch.tensor([1 / d, d ** -0.5], device=self.device)[:, None, None]
         # the conv kernels (conv_dim, K) as f32 views of their stored bytes (llama.cpp requires F32; parse checks)
         self.conv_w = {il: lw["ssm_conv1d.weight"].raw.view(torch.float32).view(cfg.conv_dim, cfg.ssm_conv_kernel)
-                       for il, lw in enumerate(layers) if cfg.recurrent(il)}
+                       for il, lw in enumerate(self.layers) if cfg.recurrent(il)}
 
     def make_caches(self) -> list:
         cfg, dev = self.cfg, self.device
@@ -122,8 +122,8 @@ class Qwen35MoE(Transformer):
                                torch.zeros(cfg.ssm_v_heads, cfg.ssm_state, cfg.ssm_state, device=dev)))
             elif il < cfg.n_trunk:
                 shape = (cfg.n_head_kv, self.n_ctx, cfg.head_dim)
-                caches.append((torch.zeros(shape, dtype=self.kv_dtype, device=dev),
-                               torch.zeros(shape, dtype=self.kv_dtype, device=dev)))
+                caches.append((torch.zeros(shape, dtype=self.cache_dtype, device=dev),
+                               torch.zeros(shape, dtype=self.cache_dtype, device=dev)))
             else:
                 caches.append(())
         return caches
@@ -195,14 +195,15 @@ class Qwen35MoE(Transformer):
         q = F.rms_norm(qg[:, :, 0], (hd,), lw["attn_q_norm.weight"], cfg.rms_eps)
         k = F.rms_norm(k.reshape(n, Hkv, hd), (hd,), lw["attn_k_norm.weight"], cfg.rms_eps)
         Kc, Vc = self.caches[il]
-        q, k = self.rope(q, pos).to(Kc.dtype), self.rope(k, pos).to(Kc.dtype)
+        q, k = self.rope(q, pos), self.rope(k, pos)
         end = pos + n
         Kc[:, pos:end] = k.transpose(0, 1)
         Vc[:, pos:end] = v.reshape(n, Hkv, hd).transpose(0, 1)
-        K, V = Kc[:, :end], Vc[:, :end]                                            # (Hkv, end, hd)
+        K, V = kv_window(Kc, Vc, 0, end)                                           # (Hkv, end, hd)
+        q = q.to(K.dtype)
         if n == 1:   # decode: batched matmuls (model.attention: 10x faster than SDPA for one query on CPU)
             att = torch.softmax((q.view(Hkv, H // Hkv, hd) @ K.transpose(1, 2)).float() * hd ** -0.5, dim=-1)
-            o = (att.to(Kc.dtype) @ V).reshape(1, cfg.q_dim)                       # head j reads kv head j // (H/Hkv)
+            o = (att.to(V.dtype) @ V).reshape(1, cfg.q_dim)                        # head j reads kv head j // (H/Hkv)
         else:        # query i at pos+i sees keys 0..pos+i
             mask = None if pos == 0 else torch.ones(n, end, dtype=torch.bool, device=h.device).tril(diagonal=pos)
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], K[None], V[None], attn_mask=mask,

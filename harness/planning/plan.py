@@ -5,8 +5,8 @@ For every depth N in 0..n_layers (the `--n-cpu-moe N` rule of engines.base):
                 (+ the reference engine's expert staging buffer, + a calibrated runtime overhead)
   host        = routed experts of layers < N
 Bytes are what the engine holds: both engines keep every weight as the file stores it (quantized stays
-quantized; engines/reference/weights.py); their KV caches differ (llama.cpp f16; the reference engine f32
-on a CPU, its compute dtype on CUDA). When measured cells of the same model exist (cells.csv, same
+quantized; engines/reference/weights.py); so do their KV caches on a CPU (f16, llama.cpp's default), on CUDA
+the reference engine's holds its compute dtype. When measured cells of the same model exist (cells.csv, same
 model_fingerprint and engine), the estimate is calibrated from them and the plan says so.
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ def model_bytes(meta: ModelMeta, s: PlanSettings) -> ModelBytes:
         cdt, kvdt = "f32", "f16"                 # ggml's CPU products accumulate in f32; f16 K and V by default
     else:
         cdt = reference_dtype(meta, s)
-        kvdt = cdt if s.device.startswith("cuda") else "f32"
+        kvdt = cdt if s.device.startswith("cuda") else "f16"
     experts = [0] * meta.n_layers
     non_expert = embed = 0
     for t in meta.tensors:                       # both engines hold the file's bytes

@@ -98,6 +98,36 @@ def _arg(qt: QTensor, what: str) -> tuple:
     return qt.raw, 0, qt.code, qt.shape[0], qt.k
 
 
+def _stacks(gate: QTensor, up: QTensor | None, down: QTensor, act: str, *biases) -> tuple:
+    """The checked expert stacks of moe_decode / moe_prefill: (E, ff, D, the extension's 12 stack arguments:
+    raw, offset, stride, type of the gate, up and down views)."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"act: one of {', '.join(ACTIVATIONS)}, not {act!r}")
+    gate.validate("gate")
+    down.validate("down")
+    if len(gate.shape) != 3 or len(down.shape) != 3:
+        raise ValueError(f"expert stacks (E, N, K), got gate {gate.shape}, down {down.shape}")
+    E, D = gate.shape[0], gate.shape[2]
+    if up is None:                                   # fused gate_up: two views of one stack
+        if gate.shape[1] % 2:
+            raise ValueError(f"fused gate_up {gate.shape} needs an even row count")
+        ff = gate.shape[1] // 2
+        urow = (gate.raw, ff * gate.row_bytes, 2 * ff * gate.row_bytes, gate.code)
+        grow = (gate.raw, 0, 2 * ff * gate.row_bytes, gate.code)
+    else:
+        ff = gate.shape[1]
+        if up.shape != gate.shape:
+            raise ValueError(f"up {up.shape} differs from gate {gate.shape}")
+        grow = (gate.raw, 0, ff * gate.row_bytes, gate.code)
+        urow = (up.validate("up").raw, 0, ff * up.row_bytes, up.code)
+    if down.shape != (E, D, ff):
+        raise ValueError(f"down {down.shape}, expected {(E, D, ff)}")
+    for b, shape, what in zip(biases, ((E, ff), (E, ff), (E, D)), ("gate_bias", "up_bias", "down_bias")):
+        if b is not None and (b.dtype != torch.float32 or tuple(b.shape) != shape):
+            raise ValueError(f"{what} must be f32 {shape}, got {b.dtype} {tuple(b.shape)}")
+    return E, ff, D, (*grow, *urow, down.raw, 0, D * down.row_bytes, down.code)
+
+
 class QuantKernels:
     """The extension as the engine calls it: products with QTensor weights (N, K) as stored, x f32.
     x is converted per product to the type ggml converts it to (quant_act.h); `isa` is the variant."""
@@ -118,12 +148,14 @@ class QuantKernels:
         the rows kernel sees it. bf16: the GEMM's dtype, None = the variant's (bf16 on avx512, f32 on
         avx2); True rounds x, the weights and the results to bf16."""
         raw, _, code, n, k = _arg(qt, "weight")
-        gemm_bf16 = self.ext.BF16_GEMM if bf16 is None else bf16
-        if rows_max_n is None:
-            limits = ROWS_MAX_N[self.isa] if gemm_bf16 else ROWS_MAX_N_F32_GEMM
-            rows_max_n = limits.get(qt.type, limits["quant"])
+        rows_max_n = self.rows_max(qt.type, bf16) if rows_max_n is None else rows_max_n
         y = self.ext.matmul(raw, 0, code, n, k, x, rows_max_n, -1 if bf16 is None else int(bf16))
         return y.reshape(*x.shape[:-1], n)
+
+    def rows_max(self, ggml_type: str, bf16: bool | None) -> int:
+        """The most activation rows a product with a weight of this type gives the rows kernel (ROWS_MAX_N)."""
+        limits = ROWS_MAX_N[self.isa] if (self.ext.BF16_GEMM if bf16 is None else bf16) else ROWS_MAX_N_F32_GEMM
+        return limits.get(ggml_type, limits["quant"])
 
     def dequant(self, qt: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The values of qt (any shape, rows of K) as f32 or bf16: bit-exact ggml/gguf-py dequantization
@@ -162,38 +194,30 @@ class QuantKernels:
         first); down (E, D, ff); biases f32 (E, ff), (E, ff), (E, D). act: silu (silu(g) u), gelu
         (ggml's f16-table GELU(g) u) or swiglu_oai (gpt-oss: g = min(g, limit), u = clamp(u, +-limit),
         g sigmoid(alpha g) (u + 1))."""
-        if act not in ACTIVATIONS:
-            raise ValueError(f"act: one of {', '.join(ACTIVATIONS)}, not {act!r}")
-        gate.validate("gate")
-        down.validate("down")
-        if len(gate.shape) != 3 or len(down.shape) != 3:
-            raise ValueError(f"moe_decode: expert stacks (E, N, K), got gate {gate.shape}, down {down.shape}")
-        E, D = gate.shape[0], gate.shape[2]
-        if up is None:                                   # fused gate_up: two views of one stack
-            if gate.shape[1] % 2:
-                raise ValueError(f"moe_decode: fused gate_up {gate.shape} needs an even row count")
-            ff = gate.shape[1] // 2
-            urow = (gate.raw, ff * gate.row_bytes, 2 * ff * gate.row_bytes, gate.code)
-            grow = (gate.raw, 0, 2 * ff * gate.row_bytes, gate.code)
-        else:
-            ff = gate.shape[1]
-            if up.shape != gate.shape:
-                raise ValueError(f"moe_decode: up {up.shape} differs from gate {gate.shape}")
-            grow = (gate.raw, 0, ff * gate.row_bytes, gate.code)
-            urow = (up.validate("up").raw, 0, ff * up.row_bytes, up.code)
-        if down.shape != (E, D, ff):
-            raise ValueError(f"moe_decode: down {down.shape}, expected {(E, D, ff)}")
+        E, ff, D, stacks = _stacks(gate, up, down, act, gate_bias, up_bias, down_bias)
         if x.numel() != D or ids.numel() != w.numel() or ids.numel() < 1 or ids.dtype.is_floating_point:
             raise ValueError(f"moe_decode: one row x, integer ids and w of the same length, got x {tuple(x.shape)}, "
                              f"ids {tuple(ids.shape)}, w {tuple(w.shape)}")
-        for b, shape, what in ((gate_bias, (E, ff), "gate_bias"), (up_bias, (E, ff), "up_bias"),
-                               (down_bias, (E, D), "down_bias")):
-            if b is not None and (b.dtype != torch.float32 or tuple(b.shape) != shape):
-                raise ValueError(f"moe_decode: {what} must be f32 {shape}, got {b.dtype} {tuple(b.shape)}")
-        y = self.ext.moe_decode(x, ids, w, E, ff, *grow, *urow, down.raw, 0, D * down.row_bytes, down.code,
-                                ACTIVATIONS[act], alpha, limit, gate_bias, up_bias, down_bias,
-                                None if residual is None else residual.reshape(-1))
+        y = self.ext.moe_decode(x, ids, w, E, ff, *stacks, ACTIVATIONS[act], alpha, limit, gate_bias, up_bias,
+                                down_bias, None if residual is None else residual.reshape(-1))
         return y.reshape(x.shape)
+
+    def moe_prefill(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate: QTensor, up: QTensor | None,
+                    down: QTensor, act: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+                    gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
+                    down_bias: torch.Tensor | None = None, bf16: bool | None = None) -> torch.Tensor:
+        """Many tokens' routed experts, moe_decode's sum for each: x (n, D) f32, ids and w (n, k) -> (n, D)
+        f32. The tokens' rows are grouped by expert; an expert with few rows reads its weight rows once for
+        all of them (the rows kernel), one with more than rows_max goes through dequantized tiles and the
+        GEMM (bf16: its dtype, as matmul's)."""
+        E, ff, D, stacks = _stacks(gate, up, down, act, gate_bias, up_bias, down_bias)
+        if x.dim() != 2 or x.shape[1] != D or ids.dim() != 2 or ids.shape != w.shape or ids.shape[0] != x.shape[0] \
+                or ids.dtype.is_floating_point:
+            raise ValueError(f"moe_prefill: x (n, {D}), integer ids and w (n, k), got x {tuple(x.shape)}, "
+                             f"ids {tuple(ids.shape)}, w {tuple(w.shape)}")
+        return self.ext.moe_prefill(x, ids, w, E, ff, *stacks, ACTIVATIONS[act], alpha, limit, gate_bias, up_bias,
+                                    down_bias, self.rows_max(gate.type, bf16), self.rows_max(down.type, bf16),
+                                    -1 if bf16 is None else int(bf16))
 
     def fused(self, features: frozenset[str]) -> "FusedDecode | None":
         """The fused one-token steps for a model with these architecture features, or None when one of

@@ -1,4 +1,5 @@
-// One token's steps, each one call instead of dozens of ATen ops (decode is bound by per-op overhead,
+// The routed experts of many tokens in one call (moe_prefill: grouped by expert, no per-expert ATen ops),
+// and one token's steps, each one call instead of dozens of ATen ops (decode is bound by per-op overhead,
 // not by the weight bytes: preset:small q4_k_m reads ~45 MB a token, ~0.65 ms at the machine's
 // bandwidth, against ~2.6 ms a token through the ATen ops): the routed experts (moe_decode: gate/up
 // products, activation, down products and the weighted sum, for any architecture), and the attention
@@ -144,6 +145,104 @@ at::Tensor moe_decode(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_ex
   return y;
 }
 
+// For each expert e, the cnt[e] activation rows xr[start[e]..] (grouped by expert) times W_e^T into
+// out[(start[e] + i) * ldo + r]. Experts of at most rows_max rows share one parallel region: tasks of 16
+// weight rows x all the expert's x rows, taken by the threads as they come free (the experts' row counts
+// differ, a fixed split would leave threads idle); larger ones go through gemm_into one after another.
+void grouped_product(const Weight& w, const std::vector<int64_t>& start, const std::vector<int64_t>& cnt, const XRow* xr,
+                     float* out, int64_t ldo, int64_t rows_max, at::ScalarType st) {
+  constexpr int64_t BLOCK = 16;
+  std::vector<std::pair<int64_t, int64_t>> tasks;          // (expert, first row)
+  for (size_t e = 0; e < cnt.size(); ++e) {
+    if (!cnt[e]) continue;
+    if (cnt[e] > rows_max) {
+      at::Tensor o = at::from_blob(out + start[e] * ldo, {cnt[e], w.n}, {ldo, 1}, at::TensorOptions().dtype(at::kFloat));
+      gemm_into(w.expert(e), xr + start[e], w.kern->fmt, cnt[e], st, o);
+      continue;
+    }
+    for (int64_t r = 0; r < w.n; r += BLOCK) tasks.emplace_back(e, r);
+  }
+  std::atomic<size_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (size_t t; (t = next.fetch_add(1)) < tasks.size();) {
+      const auto [e, r] = tasks[t];
+      rows_block(w.expert(e), r, std::min(w.n, r + BLOCK), xr + start[e], cnt[e], out + start[e] * ldo, ldo);
+    }
+  });
+}
+
+// Many tokens' routed experts (the host path of a prefill): y (n, D) = sum_j w[t, j] (down_e act(gate_e x_t +
+// gb_e, up_e x_t + ub_e) + db_e), e = ids[t, j], the sum in slot order j as ggml adds the experts' views. The
+// (token, slot) pairs are grouped by expert; x is converted once per format for all tokens, and each
+// expert's products read its weight rows once for all its rows (grouped_product). Arguments as
+// moe_decode; rows_max_gu / rows_max_down: the most rows of one expert that go to the rows kernel (more:
+// dequantized tiles and a GEMM in gemm_dtype(bf16)), as matmul's rows_max_n.
+at::Tensor moe_prefill(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_expert, int64_t ff,
+                       at::Tensor g_raw, int64_t g_off, int64_t g_stride, int64_t g_type,
+                       at::Tensor u_raw, int64_t u_off, int64_t u_stride, int64_t u_type,
+                       at::Tensor d_raw, int64_t d_off, int64_t d_stride, int64_t d_type,
+                       int64_t act, double alpha, double limit, std::optional<at::Tensor> gate_bias,
+                       std::optional<at::Tensor> up_bias, std::optional<at::Tensor> down_bias,
+                       int64_t rows_max_gu, int64_t rows_max_down, int64_t bf16) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && ids.dim() == 2 && ids.size(0) == x.size(0) && wts.sizes() == ids.sizes(),
+                    "x (n, D), ids and w (n, k)");
+  const int64_t n = x.size(0), D = x.size(1), K = ids.size(1), S = n * K;
+  x = f32_rows(x, D, "x");
+  TORCH_CHECK_VALUE(act >= 0 && act <= 2, "act: 0 (SiLU), 1 (GELU) or 2 (SwiGLU-OAI)");
+  const Weight gate = weight(g_raw, g_off, g_type, ff, D, n_expert, g_stride);
+  const Weight up = weight(u_raw, u_off, u_type, ff, D, n_expert, u_stride);
+  const Weight down = weight(d_raw, d_off, d_type, D, ff, n_expert, d_stride);
+  const auto [idc, wc] = routing(ids, wts, n_expert);
+  const float* gb = f32_or_null(gate_bias, n_expert * ff, "gate_bias");
+  const float* ub = f32_or_null(up_bias, n_expert * ff, "up_bias");
+  const float* db = f32_or_null(down_bias, n_expert * D, "down_bias");
+  const int64_t* id = idc.data_ptr<int64_t>();
+  const float* wt = wc.data_ptr<float>();
+  const at::ScalarType st = gemm_dtype(bf16);
+
+  // slots s = t K + j grouped by expert: the slot at grouped position p is slot_at[p], slot s sits at pos[s]
+  std::vector<int64_t> cnt(n_expert, 0), start(n_expert, 0), slot_at(S), pos(S);
+  for (int64_t s = 0; s < S; ++s) ++cnt[id[s]];
+  for (int64_t e = 1; e < n_expert; ++e) start[e] = start[e - 1] + cnt[e - 1];
+  std::vector<int64_t> fill(start);
+  for (int64_t s = 0; s < S; ++s) slot_at[pos[s] = fill[id[s]]++] = s;
+
+  Acts xa(x.data_ptr<float>(), n, D);
+  const XRow* xg = xa.rows(gate.kern->fmt);
+  const XRow* xu = xa.rows(up.kern->fmt);
+  std::vector<XRow> gx(S), ux(S);                       // each grouped row's token, as pointers: no copy of x
+  for (int64_t p = 0; p < S; ++p) gx[p] = xg[slot_at[p] / K], ux[p] = xu[slot_at[p] / K];
+  std::vector<float> h(S * 2 * ff);                     // per grouped row: gate products, then up products
+  grouped_product(gate, start, cnt, gx.data(), h.data(), 2 * ff, rows_max_gu, st);
+  grouped_product(up, start, cnt, ux.data(), h.data() + ff, 2 * ff, rows_max_gu, st);
+
+  std::vector<float> a(S * ff);                         // activations: the down products' x rows
+  const Act fn{act, (float)alpha, (float)limit};
+  at::parallel_for(0, S, std::max<int64_t>(1, grain(ff * 8)), [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) {
+      const int64_t ex = id[slot_at[p]];
+      fn.row(h.data() + p * 2 * ff, h.data() + p * 2 * ff + ff, gb ? gb + ex * ff : nullptr, ub ? ub + ex * ff : nullptr,
+             a.data() + p * ff, ff);
+    }
+  });
+  Acts aa(a.data(), S, ff);
+  std::vector<float> ys(S * D);
+  grouped_product(down, start, cnt, aa.rows(down.kern->fmt), ys.data(), D, rows_max_down, st);
+
+  auto y = at::zeros({n, D}, x.options());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, std::max<int64_t>(1, grain(K * D * 4)), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t s = t * K + j;
+        const float* yr = ys.data() + pos[s] * D;
+        const float* bias = db ? db + id[s] * D : nullptr;
+        for (int64_t d = 0; d < D; ++d) yp[t * D + d] += wt[s] * (yr[d] + (bias ? bias[d] : 0.f));
+      }
+  });
+  return y;
+}
+
 // y = x / sqrt(mean(x^2) + eps) * w (w may be null) over one row of d floats; y may be x
 void norm_row(const float* x, const float* w, float* y, int64_t d, double eps) {
   double ss = 0;
@@ -152,6 +251,7 @@ void norm_row(const float* x, const float* w, float* y, int64_t d, double eps) {
   for (int64_t i = 0; i < d; ++i) y[i] = x[i] * scale * (w ? w[i] : 1.f);
 }
 
+// a . b over n values, b f32 or f16 (a row of the KV cache)
 float dot_f32(const float* a, const float* b, int64_t n) {
   vf acc = vzero();
   int64_t i = 0;
@@ -160,20 +260,38 @@ float dot_f32(const float* a, const float* b, int64_t n) {
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
+float dot_f32(const float* a, const uint16_t* b, int64_t n) {
+  vf acc = vzero();
+  int64_t i = 0;
+  for (; i + VL <= n; i += VL) acc = vfma(vload(a + i), load_f16((const uint8_t*)(b + i)), acc);
+  float s = vsum(acc);
+  for (; i < n; ++i) s += a[i] * _cvtsh_ss(b[i]);
+  return s;
+}
 
-// y += p v over n floats
+// y += p v over n values, v f32 or f16
 void axpy(float p, const float* v, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + VL <= n; i += VL) vstore(y + i, vfma(vset1(p), vload(v + i), vload(y + i)));
   for (; i < n; ++i) y[i] += p * v[i];
 }
+void axpy(float p, const uint16_t* v, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + VL <= n; i += VL) vstore(y + i, vfma(vset1(p), load_f16((const uint8_t*)(v + i)), vload(y + i)));
+  for (; i < n; ++i) y[i] += p * _cvtsh_ss(v[i]);
+}
+
+// n values of x into a KV cache row: f32 as they are, f16 rounded to nearest even (as a torch copy and ggml's
+// F16C conversion round them)
+void store_kv(const float* x, float* y, int64_t n) { std::copy(x, x + n, y); }
+void store_kv(const float* x, uint16_t* y, int64_t n) { to_f16(x, y, n); }
 
 // One layer's attention for one token, model.attention's n == 1 branch in one call:
 // x (1, D) f32 residual -> x + Wo attn (1, D) f32. h = rms_norm(x) * attn_norm; q, k, v = Wq h, Wk h,
 // Wv h (+ biases); q and k normed in groups of q_norm's and k_norm's length (qwen3moe: per head;
 // olmoe: the whole projection); RoPE at pos from model.rope_tables' cos/sin (n_ctx, hd): y = x cos +
 // rotate(x) sin, rotate swapping each pair (i, i + hd/2) for NEOX, (2i, 2i+1) otherwise; k and v
-// written to Kc, Vc (Hkv, n_ctx, hd) f32 at pos; per head softmax(q K^T / sqrt(hd)) V over positions
+// written to Kc, Vc (Hkv, n_ctx, hd; f16 or f32) at pos; per head softmax(q K^T / sqrt(hd)) V over positions
 // 0..pos, head h reading kv head h / (H / Hkv); then Wo o.
 at::Tensor attn_decode(at::Tensor x, std::optional<at::Tensor> attn_norm, double eps, WArg wq_a, WArg wk_a, WArg wv_a,
                        std::optional<at::Tensor> bq, std::optional<at::Tensor> bk, std::optional<at::Tensor> bv,
@@ -181,9 +299,10 @@ at::Tensor attn_decode(at::Tensor x, std::optional<at::Tensor> attn_norm, double
                        at::Tensor cos, at::Tensor sin, int64_t pos, bool neox, int64_t H, WArg wo_a) {
   const int64_t D = x.numel();
   x = f32_rows(x, D, "x");
-  TORCH_CHECK_VALUE(Kc.dim() == 3 && Kc.sizes() == Vc.sizes() && Kc.scalar_type() == at::kFloat && Vc.scalar_type() == at::kFloat &&
-                    Kc.is_contiguous() && Vc.is_contiguous() && Kc.device().is_cpu() && Vc.device().is_cpu(),
-                    "Kc, Vc: (Hkv, n_ctx, hd) contiguous f32 CPU tensors");
+  const bool half = Kc.scalar_type() == at::kHalf;
+  TORCH_CHECK_VALUE(Kc.dim() == 3 && Kc.sizes() == Vc.sizes() && (half || Kc.scalar_type() == at::kFloat) &&
+                    Vc.scalar_type() == Kc.scalar_type() && Kc.is_contiguous() && Vc.is_contiguous() &&
+                    Kc.device().is_cpu() && Vc.device().is_cpu(), "Kc, Vc: (Hkv, n_ctx, hd) contiguous f16 or f32 CPU tensors");
   const int64_t Hkv = Kc.size(0), n_ctx = Kc.size(1), hd = Kc.size(2), qd = H * hd, kvd = Hkv * hd;
   TORCH_CHECK_VALUE(H > 0 && Hkv > 0 && H % Hkv == 0 && hd % 2 == 0, "H must be a multiple of Hkv, head size even");
   const Weight wq = weight(wq_a), wk = weight(wk_a), wv = weight(wv_a), wo = weight(wo_a);
@@ -225,25 +344,28 @@ at::Tensor attn_decode(at::Tensor x, std::optional<at::Tensor> attn_norm, double
       rot[i] = t[i] * c[i] + (neox ? t[i < hd / 2 ? i + hd / 2 : i - hd / 2] : t[i ^ 1]) * s[i];
     std::copy(rot.begin(), rot.end(), t);
   }
-  float *K = Kc.data_ptr<float>(), *V = Vc.data_ptr<float>();
-  for (int64_t g = 0; g < Hkv; ++g) {
-    std::copy(k + g * hd, k + (g + 1) * hd, K + (g * n_ctx + pos) * hd);
-    std::copy(v + g * hd, v + (g + 1) * hd, V + (g * n_ctx + pos) * hd);
-  }
   const int64_t T = pos + 1, G = H / Hkv;
   const float scale = 1.f / std::sqrt((float)hd);
   std::vector<float> o(qd, 0.f);
-  at::parallel_for(0, H, grain(2 * T * hd * 4), [&](int64_t b, int64_t e) {
-    std::vector<float> p(T);
-    for (int64_t head = b; head < e; ++head) {
-      const float* qh = q + head * hd;
-      const float *Kg = K + head / G * n_ctx * hd, *Vg = V + head / G * n_ctx * hd;
-      float mx = -INFINITY, sum = 0.f;
-      for (int64_t t = 0; t < T; ++t) mx = std::max(mx, p[t] = dot_f32(qh, Kg + t * hd, hd) * scale);
-      for (int64_t t = 0; t < T; ++t) sum += p[t] = std::exp(p[t] - mx);
-      for (int64_t t = 0; t < T; ++t) axpy(p[t] / sum, Vg + t * hd, o.data() + head * hd, hd);
+  const auto attend = [&](auto* K, auto* V) {        // float* or uint16_t* (f16 bits)
+    for (int64_t g = 0; g < Hkv; ++g) {
+      store_kv(k + g * hd, K + (g * n_ctx + pos) * hd, hd);
+      store_kv(v + g * hd, V + (g * n_ctx + pos) * hd, hd);
     }
-  });
+    at::parallel_for(0, H, grain(2 * T * hd * 4), [&](int64_t b, int64_t e) {
+      std::vector<float> p(T);
+      for (int64_t head = b; head < e; ++head) {
+        const float* qh = q + head * hd;
+        const auto *Kg = K + head / G * n_ctx * hd, *Vg = V + head / G * n_ctx * hd;
+        float mx = -INFINITY, sum = 0.f;
+        for (int64_t t = 0; t < T; ++t) mx = std::max(mx, p[t] = dot_f32(qh, Kg + t * hd, hd) * scale);
+        for (int64_t t = 0; t < T; ++t) sum += p[t] = std::exp(p[t] - mx);
+        for (int64_t t = 0; t < T; ++t) axpy(p[t] / sum, Vg + t * hd, o.data() + head * hd, hd);
+      }
+    });
+  };
+  if (half) attend((uint16_t*)Kc.data_ptr<at::Half>(), (uint16_t*)Vc.data_ptr<at::Half>());
+  else attend(Kc.data_ptr<float>(), Vc.data_ptr<float>());
   auto y = at::empty({1, D}, x.options());
   Acts oa(o.data(), 1, qd);
   matvec_into(wo, oa, y.data_ptr<float>());

@@ -7,6 +7,7 @@
 // The fused one-token steps of a transformer block are in decode.h.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <atomic>
 #include <cmath>
 #include <algorithm>
 #include <utility>
@@ -65,9 +66,11 @@ const Kernel& kernel_of(int64_t type) {
 // within raw's bytes: GGUF files are untrusted input.
 struct Weight {
   const Kernel* kern;
+  int64_t type;
   const uint8_t* base;
   int64_t n, k, rb, stride;
   const uint8_t* row(int64_t r, int64_t expert = 0) const { return base + expert * stride + r * rb; }
+  Weight expert(int64_t e) const { Weight w = *this; w.base += e * stride; return w; }
 };
 
 Weight weight(const at::Tensor& raw, int64_t off, int64_t type, int64_t n, int64_t k, int64_t count = 1, int64_t stride = 0) {
@@ -81,7 +84,7 @@ Weight weight(const at::Tensor& raw, int64_t off, int64_t type, int64_t n, int64
   TORCH_CHECK_VALUE(off <= have && (n == 0 || rb <= (have - off) / n) &&
                     (count == 1 || stride <= (have - off - n * rb) / (count - 1)),
                     "weight: ", count, " x ", n, " rows of ", rb, " bytes at offset ", off, " do not fit in ", have, " bytes");
-  return {&kern, raw.data_ptr<uint8_t>() + off, n, k, rb, stride};
+  return {&kern, type, raw.data_ptr<uint8_t>() + off, n, k, rb, stride};
 }
 
 // A weight as the Python side passes it: (raw, offset, ggml type, n_rows, k)
@@ -188,29 +191,61 @@ const bool BF16_GEMM = true;
 const bool BF16_GEMM = false;
 #endif
 
-// n activation rows at once: each weight row is read from memory once, and each dot decodes its
-// blocks once for NX_MAX x rows. Blocks of ROWS weight rows stay in L2 while every x group passes
-// by, so x (n k bytes, past L2 for large n) is read n_rows / ROWS times, not n_rows. out (n, n_rows).
-void matmul_rows(const Weight& w, const XRow* xr, int64_t n, float* out) {
+// Rows r0..r1-1 of W times n activation rows: out[i * ldo + r]. Each weight row is read from memory once,
+// and each dot decodes its blocks once for NX_MAX x rows. Blocks of ROWS weight rows stay in L2 while
+// every x group passes by, so x (n k bytes, past L2 for large n) is read (r1 - r0) / ROWS times, not r1 - r0.
+void rows_block(const Weight& w, int64_t r0, int64_t r1, const XRow* xr, int64_t n, float* out, int64_t ldo) {
   const int64_t ROWS = 16;
-  at::parallel_for(0, w.n, std::max<int64_t>(1, grain(w.rb) / n), [&](int64_t b, int64_t e) {
-    float y[NX_MAX];
-    for (int64_t r0 = b; r0 < e; r0 += ROWS)
-      for (int64_t i = 0; i < n; i += NX_MAX) {
-        const int64_t m = std::min<int64_t>(NX_MAX, n - i);
-        for (int64_t r = r0; r < std::min(e, r0 + ROWS); ++r) {
-          w.kern->dot[m - 1](w.row(r), w.k, xr + i, y);
-          for (int64_t j = 0; j < m; ++j) out[(i + j) * w.n + r] = y[j];
-        }
+  float y[NX_MAX];
+  for (int64_t b = r0; b < r1; b += ROWS)
+    for (int64_t i = 0; i < n; i += NX_MAX) {
+      const int64_t m = std::min<int64_t>(NX_MAX, n - i);
+      for (int64_t r = b; r < std::min(r1, b + ROWS); ++r) {
+        w.kern->dot[m - 1](w.row(r), w.k, xr + i, y);
+        for (int64_t j = 0; j < m; ++j) out[(i + j) * ldo + r] = y[j];
       }
-  });
+    }
 }
 
-// out (n, n_rows) f32 = x W^T, x (n, k) f32. n <= rows_max_n: matmul_rows (x in the type's format, as
-// matvec); else W in tiles of rows dequantized into a scratch and ATen's GEMM, in bf16 (bf16 > 0, or
-// bf16 < 0 on the avx512_bf16 variant: x, W and the results rounded to bf16) or in f32 with x as the
-// rows kernel would see it (quantized and dequantized back: every product of the GEMM is one ggml's
-// dot forms, rounded differently); F32 weights (and BF16 with the bf16 GEMM) go to the GEMM as they are.
+// out (n, w.n) = x W^T through W in tiles of rows dequantized into a scratch and ATen's GEMM, in
+// dtype st: bf16 (x's f32 source, W and the results rounded to bf16) or f32 with x as the rows kernel sees it (quantized
+// and dequantized back: every product of the GEMM is one ggml's dot forms, rounded differently). F32 weights
+// (and BF16 with the bf16 GEMM) go to the GEMM as they are. out may be a strided view (ld > w.n).
+void gemm_into(const Weight& w, const XRow* xr, XFmt fmt, int64_t n, at::ScalarType st, at::Tensor out) {
+  const int64_t k = w.k;
+  at::Tensor xv = at::empty({n, k}, at::TensorOptions().dtype(at::kFloat));
+  at::parallel_for(0, n, grain(k * 4), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      float* y = xv.data_ptr<float>() + r * k;
+      if (st == at::kFloat) values(xr[r], fmt, k, y);
+      else memcpy(y, xr[r].src, k * sizeof(float));
+    }
+  });
+  // F32 and BF16 weights as they are: a view of the bytes (when aligned for the element type)
+  const auto whole = [&](at::ScalarType t) {
+    return at::from_blob((void*)w.base, {w.n, k}, at::TensorOptions().dtype(t));
+  };
+  const int64_t type = w.type;
+  const bool aligned = reinterpret_cast<uintptr_t>(w.base) % w.kern->bytes == 0;
+  if (type == GGML_F32 && st == at::kFloat && aligned) return (void)out.copy_(at::mm(xv, whole(at::kFloat).t()));
+  const at::Tensor xs = xv.to(st);
+  if (type == GGML_BF16 && st == at::kBFloat16 && aligned) return (void)out.copy_(at::mm(xs, whole(at::kBFloat16).t()));
+  // ~4 MiB of scratch: the GEMM reads it from L3 right after the dequant wrote it
+  const int64_t tile = std::max<int64_t>(64, (4 << 20) / (k * at::elementSize(st)) / 64 * 64);
+  at::Tensor scratch = at::empty({std::min(tile, w.n), k}, at::TensorOptions().dtype(st));
+  for (int64_t r0 = 0; r0 < w.n; r0 += tile) {
+    const int64_t m = std::min(tile, w.n - r0);
+    at::Tensor s = scratch.narrow(0, 0, m);
+    dequant_rows(w, r0, m, s);
+    out.narrow(1, r0, m).copy_(at::mm(xs, s.t()));
+  }
+}
+
+// The GEMM's dtype for a bf16 request: > 0 bf16, 0 f32, < 0 the variant's default (bf16 on avx512_bf16)
+at::ScalarType gemm_dtype(int64_t bf16) { return (bf16 < 0 ? BF16_GEMM : bf16 > 0) ? at::kBFloat16 : at::kFloat; }
+
+// out (n, n_rows) f32 = x W^T, x (n, k) f32. n <= rows_max_n: the rows kernel (x in the type's format, as
+// matvec); else gemm_into in gemm_dtype(bf16).
 at::Tensor matmul(at::Tensor raw, int64_t off, int64_t type, int64_t n_rows, int64_t k, at::Tensor x, int64_t rows_max_n,
                   int64_t bf16) {
   const Weight w = weight(raw, off, type, n_rows, k);
@@ -218,38 +253,14 @@ at::Tensor matmul(at::Tensor raw, int64_t off, int64_t type, int64_t n_rows, int
   const int64_t n = x.size(0);
   Acts a(x.data_ptr<float>(), n, k);
   const XFmt fmt = w.kern->fmt;
-  if (n <= rows_max_n) {
-    auto out = at::empty({n, n_rows}, x.options());
-    matmul_rows(w, a.rows(fmt), n, out.data_ptr<float>());
-    return out;
-  }
-  const at::ScalarType st = (bf16 < 0 ? BF16_GEMM : bf16 > 0) ? at::kBFloat16 : at::kFloat;
-  at::Tensor xv = x;          // f32 GEMM: x as the rows kernel sees it (a bf16 GEMM rounds it to bf16 instead)
-  if (fmt != X_F32 && st == at::kFloat) {
-    xv = at::empty({n, k}, x.options());
-    const XBuf& xb = a.buf(fmt);
-    at::parallel_for(0, n, grain(k * 4), [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) xb.values(fmt, r, k, xv.data_ptr<float>() + r * k);
-    });
-  }
-  // F32 and BF16 weights as they are: a view of the bytes (when aligned for the element type)
-  const auto whole = [&](at::ScalarType t) {
-    return at::from_blob((void*)w.base, {n_rows, k}, at::TensorOptions().dtype(t));
-  };
-  const bool aligned = reinterpret_cast<uintptr_t>(w.base) % w.kern->bytes == 0;
-  if (type == GGML_F32 && st == at::kFloat && aligned) return at::mm(xv, whole(at::kFloat).t());
-  const at::Tensor xs = xv.to(st);
-  if (type == GGML_BF16 && st == at::kBFloat16 && aligned) return at::mm(xs, whole(at::kBFloat16).t()).to(at::kFloat);
+  const XRow* xr = a.rows(fmt);
   auto out = at::empty({n, n_rows}, x.options());
-  // ~4 MiB of scratch: the GEMM reads it from L3 right after the dequant wrote it
-  const int64_t tile = std::max<int64_t>(64, (4 << 20) / (k * at::elementSize(st)) / 64 * 64);
-  at::Tensor scratch = at::empty({std::min(tile, n_rows), k}, x.options().dtype(st));
-  for (int64_t r0 = 0; r0 < n_rows; r0 += tile) {
-    const int64_t m = std::min(tile, n_rows - r0);
-    at::Tensor s = scratch.narrow(0, 0, m);
-    dequant_rows(w, r0, m, s);
-    out.narrow(1, r0, m).copy_(at::mm(xs, s.t()));
-  }
+  if (n <= rows_max_n)
+    at::parallel_for(0, w.n, std::max<int64_t>(1, grain(w.rb) / n), [&](int64_t b, int64_t e) {
+      rows_block(w, b, e, xr, n, out.data_ptr<float>(), n_rows);
+    });
+  else
+    gemm_into(w, xr, fmt, n, gemm_dtype(bf16), out);
   return out;
 }
 
@@ -311,6 +322,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant", &dequant);
   m.def("embed", &embed);
   m.def("moe_decode", &moe_decode);
+  m.def("moe_prefill", &moe_prefill);
   m.def("quantize_x", &quantize_x);
   m.def("act", &act);
   m.def("attn_decode", &attn_decode);

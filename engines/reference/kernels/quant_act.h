@@ -24,6 +24,7 @@ struct XRow {
   const float* d = nullptr;        // Q8_0/Q8_1: (K/32) the f16 d as f32; Q8_K: (K/256) d
   const float* s = nullptr;        // Q8_0: (K/32) d * sum(q) (exact in f32); Q8_1: (K/32) its f16 s
   const int16_t* bs = nullptr;     // Q8_K: (K/16) sums of q over 16 values
+  const float* src = nullptr;      // (K) the f32 row it was converted from
 };
 
 // Q8_0 / Q8_1 (q8_1: s is f16(d_f32 sum(q)), else d sum(q)) of x (K), K % 32 == 0
@@ -100,6 +101,18 @@ static inline void round_rows(const float* x, int64_t K, float* y, XFmt fmt) {
   }
 }
 
+// An activation row's values as the products see them, back in f32 (ggml's dequantize of the vec_dot_type):
+// what the GEMM path multiplies the dequantized weights with
+static inline void values(const XRow& x_r, XFmt fmt, int64_t K, float* y) {
+  if (fmt == X_Q8_0 || fmt == X_Q8_1 || fmt == X_Q8_K) {
+    const int64_t blk = fmt == X_Q8_K ? 256 : 32;
+    for (int64_t i = 0; i < K; i += 8)
+      _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_set1_ps(x_r.d[i / blk]), cvt8((const uint8_t*)x_r.q + i)));
+  } else {
+    memcpy(y, x_r.f, K * sizeof(float));
+  }
+}
+
 // n activation rows of K values in format fmt: the storage behind their XRows
 struct XBuf {
   std::vector<XRow> rows;
@@ -124,6 +137,7 @@ struct XBuf {
         case X_Q8_K: x_r = {nullptr, &q[r * K], &d[r * K / 256], nullptr, &bs[r * K / 16]}; break;
         default: break;
       }
+      x_r.src = x + r * K;
     }
   }
   void fill(XFmt fmt, const float* x, int64_t r, int64_t K) {
@@ -133,18 +147,6 @@ struct XBuf {
       case X_Q8_0: case X_Q8_1: quant_q8_0(x + r * K, K, (int8_t*)x_r.q, (float*)x_r.d, (float*)x_r.s, fmt == X_Q8_1); break;
       case X_Q8_K: quant_q8_K(x + r * K, K, (int8_t*)x_r.q, (float*)x_r.d, (int16_t*)x_r.bs); break;
       default: break;
-    }
-  }
-  // row r's values as the products see them, back in f32 (ggml's dequantize of the vec_dot_type):
-  // what the GEMM path multiplies the dequantized weights with
-  void values(XFmt fmt, int64_t r, int64_t K, float* y) const {
-    const XRow& x_r = rows[r];
-    if (fmt == X_Q8_0 || fmt == X_Q8_1 || fmt == X_Q8_K) {
-      const int64_t blk = fmt == X_Q8_K ? 256 : 32;
-      for (int64_t i = 0; i < K; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_set1_ps(x_r.d[i / blk]), cvt8((const uint8_t*)x_r.q + i)));
-    } else {
-      memcpy(y, x_r.f, K * sizeof(float));
     }
   }
 };
