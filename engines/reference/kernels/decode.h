@@ -207,9 +207,16 @@ at::Tensor moe_prefill(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_e
   std::vector<int64_t> fill(start);
   for (int64_t s = 0; s < S; ++s) slot_at[pos[s] = fill[id[s]]++] = s;
 
+  // x in each weight's format where a product needs it (the rows kernel, the f32 GEMM); a bf16 GEMM reads
+  // the f32 rows themselves (XRow src), so experts that all take it skip the conversion
+  const auto fmt = [&](const Weight& w, int64_t rows_max) {
+    bool rows = st == at::kFloat;
+    for (int64_t e = 0; e < n_expert && !rows; ++e) rows = cnt[e] && cnt[e] <= rows_max;
+    return rows ? w.kern->fmt : X_F32;
+  };
   Acts xa(x.data_ptr<float>(), n, D);
-  const XRow* xg = xa.rows(gate.kern->fmt);
-  const XRow* xu = xa.rows(up.kern->fmt);
+  const XRow* xg = xa.rows(fmt(gate, rows_max_gu));
+  const XRow* xu = xa.rows(fmt(up, rows_max_gu));
   std::vector<XRow> gx(S), ux(S);                       // each grouped row's token, as pointers: no copy of x
   for (int64_t p = 0; p < S; ++p) gx[p] = xg[slot_at[p] / K], ux[p] = xu[slot_at[p] / K];
   std::vector<float> h(S * 2 * ff);                     // per grouped row: gate products, then up products
@@ -227,7 +234,7 @@ at::Tensor moe_prefill(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_e
   });
   Acts aa(a.data(), S, ff);
   std::vector<float> ys(S * D);
-  grouped_product(down, start, cnt, aa.rows(down.kern->fmt), ys.data(), D, rows_max_down, st);
+  grouped_product(down, start, cnt, aa.rows(fmt(down, rows_max_down)), ys.data(), D, rows_max_down, st);
 
   auto y = at::zeros({n, D}, x.options());
   float* yp = y.data_ptr<float>();
@@ -235,9 +242,12 @@ at::Tensor moe_prefill(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_e
     for (int64_t t = b; t < e; ++t)
       for (int64_t j = 0; j < K; ++j) {
         const int64_t s = t * K + j;
-        const float* yr = ys.data() + pos[s] * D;
-        const float* bias = db ? db + id[s] * D : nullptr;
-        for (int64_t d = 0; d < D; ++d) yp[t * D + d] += wt[s] * (yr[d] + (bias ? bias[d] : 0.f));
+        const float *yr = ys.data() + pos[s] * D, wj = wt[s];
+        float* yt = yp + t * D;
+        if (db)
+          for (int64_t d = 0, o = id[s] * D; d < D; ++d) yt[d] += wj * (yr[d] + db[o + d]);
+        else
+          for (int64_t d = 0; d < D; ++d) yt[d] += wj * yr[d];
       }
   });
   return y;
