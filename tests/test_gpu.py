@@ -426,6 +426,18 @@ def test_reference_cuda_logits_match_the_cpu(tiny, depth, path):
     assert np.abs(gpu - cpu).max() < LOGIT_ATOL and (gpu.argmax(-1) == cpu.argmax(-1)).all()
 
 
+def test_auto_path_switches_at_stream_min_batch(tiny):
+    """With CUDA, auto streams an offloaded layer's experts for batches of at least moe_stream_min_batch tokens
+    and runs smaller ones on the host: ubatches 16, 16, 8 at depth 2 of 4."""
+    e = reference(tiny, 2, moe_stream_min_batch=16, n_ctx=64)
+    try:
+        e.prefill([int(t) for t in np.random.default_rng(7).integers(0, 1024, 40)])
+        c = e.counters()
+    finally:
+        close(e)
+    assert (c["moe_calls_stream"], c["moe_calls_host"], c["moe_calls_resident"]) == (4, 2, 6)
+
+
 def test_stream_copies_exactly_the_routed_experts(tiny):
     from engines.reference.archs import PRESETS
 

@@ -35,11 +35,13 @@ def test_plan_arithmetic_on_tiny_by_hand(tiny):
     for n in range(5):
         assert g.at(n).non_expert_bytes == NON_EXPERT - embed and g.at(n).host_bytes == n * EXPERTS_PER_LAYER + embed
         assert g.at(n).compute_bytes == p.at(n).compute_bytes + (EXPERTS_PER_LAYER if n else 0)
-    # the reference engine: f32 file -> f32 compute, f16 KV (as llama.cpp's) without padding, one staging layer
-    # on the CPU
+    # the reference engine: f32 file -> f32 compute, f16 KV (as llama.cpp's) without padding, no staging on the
+    # CPU, two staging layers on CUDA
     r = make_plan(meta, PlanSettings(engine="reference", n_ctx=300, device="cpu"))
     assert r.at(0).kv_bytes == 2 * 4 * 2 * 300 * 32 * 2
-    assert r.at(0).staging_bytes == 0 and r.at(3).staging_bytes == EXPERTS_PER_LAYER
+    assert r.at(0).staging_bytes == r.at(3).staging_bytes == 0
+    rg = make_plan(meta, PlanSettings(engine="reference", n_ctx=300, device="cuda"))
+    assert rg.at(0).staging_bytes == 0 and rg.at(3).staging_bytes == 2 * EXPERTS_PER_LAYER
     assert r.at(4).host_bytes == 4 * EXPERTS_PER_LAYER and r.at(4).expert_accel_bytes == 0
 
 

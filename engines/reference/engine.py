@@ -6,7 +6,8 @@ has it; MOEBENCH_ISA=avx2 forces the baseline), on CUDA by dequantizing into a s
 
 Knobs in EngineSettings.extra (all optional):
   moe_path              "auto" | "host" | "stream": force the execution path of offloaded layers
-  moe_stream_min_batch  auto: batches of at least this many tokens stream experts (default 128)
+  moe_stream_min_batch  auto, with CUDA: batches of at least this many tokens stream experts (default 128); a
+                        CPU-only run takes the host path at every size (offload.py)
   cpu_moe_threads       threads for host-path expert products. Default with a CUDA device: TensorSharp's
                         max(1, min(cpus // 2, 64)) (the host works beside the GPU); on a CPU-only run the
                         "accelerator" part and the host part are the same cores taking turns, so the

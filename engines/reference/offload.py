@@ -2,8 +2,9 @@
 
 Placement: the expert stacks of layers 0..N-1 live in host RAM (page-locked when CUDA is present); all
 other layers' experts live on the accelerator. Stacks stay as the file stores them (QTensors). A layer's
-experts are computed by grouping tokens per expert: sort the (token, slot) pairs by expert id, one
-product chain per used expert, weighted index_add back. Weights are never gathered per token.
+experts are computed by grouping tokens per expert (on the CPU in one kernel call, kernels.moe_prefill;
+on CUDA grouped_experts: one product chain per used expert, weighted index_add back). Weights are never
+gathered per token.
 
 Paths for an offloaded layer (TensorSharp's scheme):
   host    batch < stream_min_batch (decode, small batches): the experts run on the CPU where they live,
@@ -15,8 +16,9 @@ Paths for an offloaded layer (TensorSharp's scheme):
           expert set of layer i+1 is copied into the second staging buffer. This is sound because a
           stream-path batch routes n*k >= 128*k (token, expert) pairs, and the chance that an expert stays
           unused, (1 - k/E)^n, is negligible (qwen3-30b: (1-8/128)^128 ~ 3e-4).
-Without CUDA both paths run on the CPU (the staging buffer is a CPU tensor), so each can be forced
-(path="host"|"stream") and checked to give the same output as the other.
+Without CUDA the accelerator is the same RAM, so auto takes the host path at every batch size (a staging
+copy would cost time and bytes llama.cpp does not spend); stream can still be forced (path="stream", its
+staging buffer a CPU tensor) and checked to give the same output as host.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
 class OffloadConfig:
     n_cpu_moe: int              # layers 0..n_cpu_moe-1 keep their routed experts in host RAM
     path: str = "auto"          # auto | host | stream (forces the path of offloaded layers)
-    stream_min_batch: int = 128  # auto: batches of at least this many tokens take the stream path
+    stream_min_batch: int = 128  # auto, with CUDA: batches of at least this many tokens take the stream path
     host_threads: int = 1       # CPU threads for host-path expert products (engine.py picks the default)
     threads: int = 1            # threads for everything else
 
@@ -164,7 +166,7 @@ class MoEExecutor:
         self.counters = Counters()
         self.staging: list[list[torch.Tensor]] = []      # per buffer: one uint8 tensor per stack matrix
         offloaded = [s for s in layers if s is not None and s.on_host]
-        if offloaded and cfg.path != "host":
+        if offloaded and (cfg.path == "stream" or cfg.path == "auto" and self.cuda):
             # staging: for each matrix of a stack (gate, up, down) the largest stored size over the offloaded
             # layers (a file type may store ffn_down as Q6_K in some layers, Q4_K in others); two buffers on
             # CUDA, for prefetch
@@ -186,7 +188,7 @@ class MoEExecutor:
             return "resident"
         if self.cfg.path != "auto":
             return self.cfg.path
-        return "stream" if n >= self.cfg.stream_min_batch else "host"
+        return "stream" if self.cuda and n >= self.cfg.stream_min_batch else "host"
 
     def begin_batch(self, n: int) -> None:
         """A new forward pass of n tokens starts: prefetches of the previous one are void."""

@@ -143,10 +143,11 @@ def compute_estimate(meta: ModelMeta, s: PlanSettings) -> int:
 
 
 def staging_bytes(mb: ModelBytes, s: PlanSettings, depth: int) -> int:
-    """Reference engine: offloaded layers stream through one whole-layer staging buffer (two on CUDA)."""
-    if s.engine != "reference" or depth == 0:
+    """Reference engine on CUDA: offloaded layers stream through two whole-layer staging buffers (CPU-only runs
+    compute offloaded experts where they are: no staging)."""
+    if s.engine != "reference" or depth == 0 or not s.device.startswith("cuda"):
         return 0
-    return (2 if s.device.startswith("cuda") else 1) * max(mb.expert_by_layer)
+    return 2 * max(mb.expert_by_layer)
 
 
 @dataclass

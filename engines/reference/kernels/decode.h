@@ -116,6 +116,24 @@ std::pair<at::Tensor, at::Tensor> routing(const at::Tensor& ids, const at::Tenso
   return {idc, wc};
 }
 
+// The expert stacks and biases moe_decode and moe_prefill take (see moe_decode), checked
+struct Stacks {
+  Weight gate, up, down;
+  const float *gb, *ub, *db;
+  Act act;
+};
+Stacks stacks(int64_t n_expert, int64_t ff, int64_t D, const at::Tensor& g_raw, int64_t g_off, int64_t g_stride,
+              int64_t g_type, const at::Tensor& u_raw, int64_t u_off, int64_t u_stride, int64_t u_type,
+              const at::Tensor& d_raw, int64_t d_off, int64_t d_stride, int64_t d_type, int64_t act, double alpha,
+              double limit, const std::optional<at::Tensor>& gate_bias, const std::optional<at::Tensor>& up_bias,
+              const std::optional<at::Tensor>& down_bias) {
+  TORCH_CHECK_VALUE(act >= 0 && act <= 2, "act: 0 (SiLU), 1 (GELU) or 2 (SwiGLU-OAI)");
+  return {weight(g_raw, g_off, g_type, ff, D, n_expert, g_stride), weight(u_raw, u_off, u_type, ff, D, n_expert, u_stride),
+          weight(d_raw, d_off, d_type, D, ff, n_expert, d_stride), f32_or_null(gate_bias, n_expert * ff, "gate_bias"),
+          f32_or_null(up_bias, n_expert * ff, "up_bias"), f32_or_null(down_bias, n_expert * D, "down_bias"),
+          Act{act, (float)alpha, (float)limit}};
+}
+
 // One token's routed experts: y (D) = [residual +] sum_j w_j (down_e (act(gate_e x + gb_e, up_e x + ub_e)) + db_e),
 // e = ids[j]. gate, up: (E, ff, D) stacks, expert e at off + e * stride (a fused (E, 2 ff, D) gate_up is two views:
 // up at off + ff * row_bytes, both with stride 2 ff row_bytes); down (E, D, ff). act: 0 SiLU, 1 GELU (ggml's
@@ -129,19 +147,14 @@ at::Tensor moe_decode(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_ex
                       std::optional<at::Tensor> residual) {
   const int64_t D = x.numel();
   x = f32_rows(x, D, "x");
-  TORCH_CHECK_VALUE(act >= 0 && act <= 2, "act: 0 (SiLU), 1 (GELU) or 2 (SwiGLU-OAI)");
-  const Weight gate = weight(g_raw, g_off, g_type, ff, D, n_expert, g_stride);
-  const Weight up = weight(u_raw, u_off, u_type, ff, D, n_expert, u_stride);
-  const Weight down = weight(d_raw, d_off, d_type, D, ff, n_expert, d_stride);
+  const Stacks st = stacks(n_expert, ff, D, g_raw, g_off, g_stride, g_type, u_raw, u_off, u_stride, u_type, d_raw, d_off,
+                           d_stride, d_type, act, alpha, limit, gate_bias, up_bias, down_bias);
   const auto [idc, wc] = routing(ids, wts, n_expert);
-  const float* gb = f32_or_null(gate_bias, n_expert * ff, "gate_bias");
-  const float* ub = f32_or_null(up_bias, n_expert * ff, "up_bias");
-  const float* db = f32_or_null(down_bias, n_expert * D, "down_bias");
   const float* res = f32_or_null(residual, D, "residual");
   auto y = res ? residual->clone() : at::zeros({D}, x.options());
   Acts xa(x.data_ptr<float>(), 1, D);
-  experts_into(xa, idc.data_ptr<int64_t>(), wc.data_ptr<float>(), idc.numel(), gate, up, down,
-               Act{act, (float)alpha, (float)limit}, gb, ub, db, y.data_ptr<float>());
+  experts_into(xa, idc.data_ptr<int64_t>(), wc.data_ptr<float>(), idc.numel(), st.gate, st.up, st.down, st.act,
+               st.gb, st.ub, st.db, y.data_ptr<float>());
   return y;
 }
 
@@ -188,14 +201,11 @@ at::Tensor moe_prefill(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_e
                     "x (n, D), ids and w (n, k)");
   const int64_t n = x.size(0), D = x.size(1), K = ids.size(1), S = n * K;
   x = f32_rows(x, D, "x");
-  TORCH_CHECK_VALUE(act >= 0 && act <= 2, "act: 0 (SiLU), 1 (GELU) or 2 (SwiGLU-OAI)");
-  const Weight gate = weight(g_raw, g_off, g_type, ff, D, n_expert, g_stride);
-  const Weight up = weight(u_raw, u_off, u_type, ff, D, n_expert, u_stride);
-  const Weight down = weight(d_raw, d_off, d_type, D, ff, n_expert, d_stride);
+  const Stacks sk = stacks(n_expert, ff, D, g_raw, g_off, g_stride, g_type, u_raw, u_off, u_stride, u_type, d_raw, d_off,
+                           d_stride, d_type, act, alpha, limit, gate_bias, up_bias, down_bias);
+  const Weight &gate = sk.gate, &up = sk.up, &down = sk.down;
+  const float *gb = sk.gb, *ub = sk.ub, *db = sk.db;
   const auto [idc, wc] = routing(ids, wts, n_expert);
-  const float* gb = f32_or_null(gate_bias, n_expert * ff, "gate_bias");
-  const float* ub = f32_or_null(up_bias, n_expert * ff, "up_bias");
-  const float* db = f32_or_null(down_bias, n_expert * D, "down_bias");
   const int64_t* id = idc.data_ptr<int64_t>();
   const float* wt = wc.data_ptr<float>();
   const at::ScalarType st = gemm_dtype(bf16);
@@ -224,7 +234,7 @@ at::Tensor moe_prefill(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_e
   grouped_product(up, start, cnt, ux.data(), h.data() + ff, 2 * ff, rows_max_gu, st);
 
   std::vector<float> a(S * ff);                         // activations: the down products' x rows
-  const Act fn{act, (float)alpha, (float)limit};
+  const Act& fn = sk.act;
   at::parallel_for(0, S, std::max<int64_t>(1, grain(ff * 8)), [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p) {
       const int64_t ex = id[slot_at[p]];
