@@ -488,13 +488,13 @@ def test_bad_input_is_refused(qk):
     with pytest.raises(ValueError, match="residual"):
         qk.moe_decode(torch.randn(32), ids, w, gu, None, dn, residual=torch.zeros(31))
     with pytest.raises(ValueError, match="do not fit"):            # an expert stride past the stack
-        qk.ext.moe_decode(torch.randn(32), ids, w, 4, 32, gu.raw, 0, 10**6, gu.code, gu.raw, 0, 64 * 34, gu.code,
-                          dn.raw, 0, 32 * 34, dn.code, 0, 1.702, 7.0, None, None, None, None)
+        qk.ext.moe_decode(torch.randn(32), ids, w, 4, 32, (gu.raw, 0, 10**6, gu.code), (gu.raw, 0, 64 * 34, gu.code),
+                          (dn.raw, 0, 32 * 34, dn.code), 0, 1.702, 7.0, None, None, None, None)
     with pytest.raises(ValueError, match="moe_prefill: x"):
         qk.moe_prefill(torch.randn(3, 32), ids[None].expand(2, 2), w[None].expand(2, 2), gu, None, dn)
     with pytest.raises(ValueError, match="expert id 4 out of range"):
         qk.moe_prefill(torch.randn(2, 32), torch.tensor([[1, 3], [0, 4]]), w[None].expand(2, 2), gu, None, dn)
     with pytest.raises(ValueError, match="expert id 7 out of range"):
-        qk.ext.moe_decode(torch.randn(32), torch.tensor([7]), torch.tensor([1.0]), 4, 32,
-                          gu.raw, 0, 64 * 34, gu.code, gu.raw, 32 * 34, 64 * 34, gu.code, dn.raw, 0, 32 * 34, dn.code,
-                          0, 1.702, 7.0, None, None, None, None)
+        qk.ext.moe_decode(torch.randn(32), torch.tensor([7]), torch.tensor([1.0]), 4, 32, (gu.raw, 0, 64 * 34, gu.code),
+                          (gu.raw, 32 * 34, 64 * 34, gu.code), (dn.raw, 0, 32 * 34, dn.code), 0, 1.702, 7.0, None, None,
+                          None, None)

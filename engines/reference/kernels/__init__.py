@@ -99,8 +99,8 @@ def _arg(qt: QTensor, what: str) -> tuple:
 
 
 def _stacks(gate: QTensor, up: QTensor | None, down: QTensor, act: str, *biases) -> tuple:
-    """The checked expert stacks of moe_decode / moe_prefill: (E, ff, D, the extension's 12 stack arguments:
-    raw, offset, stride, type of the gate, up and down views)."""
+    """The checked expert stacks of moe_decode / moe_prefill: (E, ff, D, the extension's gate, up and down
+    stack arguments, each (raw, offset, stride, type))."""
     if act not in ACTIVATIONS:
         raise ValueError(f"act: one of {', '.join(ACTIVATIONS)}, not {act!r}")
     gate.validate("gate")
@@ -125,7 +125,7 @@ def _stacks(gate: QTensor, up: QTensor | None, down: QTensor, act: str, *biases)
     for b, shape, what in zip(biases, ((E, ff), (E, ff), (E, D)), ("gate_bias", "up_bias", "down_bias")):
         if b is not None and (b.dtype != torch.float32 or tuple(b.shape) != shape):
             raise ValueError(f"{what} must be f32 {shape}, got {b.dtype} {tuple(b.shape)}")
-    return E, ff, D, (*grow, *urow, down.raw, 0, D * down.row_bytes, down.code)
+    return E, ff, D, (grow, urow, (down.raw, 0, D * down.row_bytes, down.code))
 
 
 class QuantKernels:

@@ -122,33 +122,26 @@ struct Stacks {
   const float *gb, *ub, *db;
   Act act;
 };
-Stacks stacks(int64_t n_expert, int64_t ff, int64_t D, const at::Tensor& g_raw, int64_t g_off, int64_t g_stride,
-              int64_t g_type, const at::Tensor& u_raw, int64_t u_off, int64_t u_stride, int64_t u_type,
-              const at::Tensor& d_raw, int64_t d_off, int64_t d_stride, int64_t d_type, int64_t act, double alpha,
-              double limit, const std::optional<at::Tensor>& gate_bias, const std::optional<at::Tensor>& up_bias,
-              const std::optional<at::Tensor>& down_bias) {
+Stacks stacks(int64_t n_expert, int64_t ff, int64_t D, const SArg& g, const SArg& u, const SArg& d, int64_t act,
+              double alpha, double limit, const std::optional<at::Tensor>& gate_bias,
+              const std::optional<at::Tensor>& up_bias, const std::optional<at::Tensor>& down_bias) {
   TORCH_CHECK_VALUE(act >= 0 && act <= 2, "act: 0 (SiLU), 1 (GELU) or 2 (SwiGLU-OAI)");
-  return {weight(g_raw, g_off, g_type, ff, D, n_expert, g_stride), weight(u_raw, u_off, u_type, ff, D, n_expert, u_stride),
-          weight(d_raw, d_off, d_type, D, ff, n_expert, d_stride), f32_or_null(gate_bias, n_expert * ff, "gate_bias"),
-          f32_or_null(up_bias, n_expert * ff, "up_bias"), f32_or_null(down_bias, n_expert * D, "down_bias"),
-          Act{act, (float)alpha, (float)limit}};
+  return {weight(g, ff, D, n_expert), weight(u, ff, D, n_expert), weight(d, D, ff, n_expert),
+          f32_or_null(gate_bias, n_expert * ff, "gate_bias"), f32_or_null(up_bias, n_expert * ff, "up_bias"),
+          f32_or_null(down_bias, n_expert * D, "down_bias"), Act{act, (float)alpha, (float)limit}};
 }
 
 // One token's routed experts: y (D) = [residual +] sum_j w_j (down_e (act(gate_e x + gb_e, up_e x + ub_e)) + db_e),
-// e = ids[j]. gate, up: (E, ff, D) stacks, expert e at off + e * stride (a fused (E, 2 ff, D) gate_up is two views:
-// up at off + ff * row_bytes, both with stride 2 ff row_bytes); down (E, D, ff). act: 0 SiLU, 1 GELU (ggml's
-// f16 table), 2 gpt-oss SwiGLU.
-at::Tensor moe_decode(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_expert, int64_t ff,
-                      at::Tensor g_raw, int64_t g_off, int64_t g_stride, int64_t g_type,
-                      at::Tensor u_raw, int64_t u_off, int64_t u_stride, int64_t u_type,
-                      at::Tensor d_raw, int64_t d_off, int64_t d_stride, int64_t d_type,
-                      int64_t act, double alpha, double limit, std::optional<at::Tensor> gate_bias,
+// e = ids[j]. gate, up: (E, ff, D) stacks (raw, off, stride, type), expert e at off + e * stride (a fused
+// (E, 2 ff, D) gate_up is two views: up at off + ff * row_bytes, both with stride 2 ff row_bytes); down
+// (E, D, ff). act: 0 SiLU, 1 GELU (ggml's f16 table), 2 gpt-oss SwiGLU.
+at::Tensor moe_decode(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_expert, int64_t ff, SArg gate, SArg up,
+                      SArg down, int64_t act, double alpha, double limit, std::optional<at::Tensor> gate_bias,
                       std::optional<at::Tensor> up_bias, std::optional<at::Tensor> down_bias,
                       std::optional<at::Tensor> residual) {
   const int64_t D = x.numel();
   x = f32_rows(x, D, "x");
-  const Stacks st = stacks(n_expert, ff, D, g_raw, g_off, g_stride, g_type, u_raw, u_off, u_stride, u_type, d_raw, d_off,
-                           d_stride, d_type, act, alpha, limit, gate_bias, up_bias, down_bias);
+  const Stacks st = stacks(n_expert, ff, D, gate, up, down, act, alpha, limit, gate_bias, up_bias, down_bias);
   const auto [idc, wc] = routing(ids, wts, n_expert);
   const float* res = f32_or_null(residual, D, "residual");
   auto y = res ? residual->clone() : at::zeros({D}, x.options());
@@ -170,7 +163,7 @@ void grouped_product(const Weight& w, const std::vector<int64_t>& start, const s
     if (!cnt[e]) continue;
     if (cnt[e] > rows_max) {
       at::Tensor o = at::from_blob(out + start[e] * ldo, {cnt[e], w.n}, {ldo, 1}, at::TensorOptions().dtype(at::kFloat));
-      gemm_into(w.expert(e), xr + start[e], w.kern->fmt, cnt[e], st, o);
+      gemm_into(w.expert(e), xr + start[e], cnt[e], st, o);
       continue;
     }
     for (int64_t r = 0; r < w.n; r += BLOCK) tasks.emplace_back(e, r);
@@ -190,19 +183,15 @@ void grouped_product(const Weight& w, const std::vector<int64_t>& start, const s
 // expert's products read its weight rows once for all its rows (grouped_product). Arguments as
 // moe_decode; rows_max_gu / rows_max_down: the most rows of one expert that go to the rows kernel (more:
 // dequantized tiles and a GEMM in gemm_dtype(bf16)), as matmul's rows_max_n.
-at::Tensor moe_prefill(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_expert, int64_t ff,
-                       at::Tensor g_raw, int64_t g_off, int64_t g_stride, int64_t g_type,
-                       at::Tensor u_raw, int64_t u_off, int64_t u_stride, int64_t u_type,
-                       at::Tensor d_raw, int64_t d_off, int64_t d_stride, int64_t d_type,
-                       int64_t act, double alpha, double limit, std::optional<at::Tensor> gate_bias,
-                       std::optional<at::Tensor> up_bias, std::optional<at::Tensor> down_bias,
-                       int64_t rows_max_gu, int64_t rows_max_down, int64_t bf16) {
+at::Tensor moe_prefill(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_expert, int64_t ff, SArg gate_a,
+                       SArg up_a, SArg down_a, int64_t act, double alpha, double limit,
+                       std::optional<at::Tensor> gate_bias, std::optional<at::Tensor> up_bias,
+                       std::optional<at::Tensor> down_bias, int64_t rows_max_gu, int64_t rows_max_down, int64_t bf16) {
   TORCH_CHECK_VALUE(x.dim() == 2 && ids.dim() == 2 && ids.size(0) == x.size(0) && wts.sizes() == ids.sizes(),
                     "x (n, D), ids and w (n, k)");
   const int64_t n = x.size(0), D = x.size(1), K = ids.size(1), S = n * K;
   x = f32_rows(x, D, "x");
-  const Stacks sk = stacks(n_expert, ff, D, g_raw, g_off, g_stride, g_type, u_raw, u_off, u_stride, u_type, d_raw, d_off,
-                           d_stride, d_type, act, alpha, limit, gate_bias, up_bias, down_bias);
+  const Stacks sk = stacks(n_expert, ff, D, gate_a, up_a, down_a, act, alpha, limit, gate_bias, up_bias, down_bias);
   const Weight &gate = sk.gate, &up = sk.up, &down = sk.down;
   const float *gb = sk.gb, *ub = sk.ub, *db = sk.db;
   const auto [idc, wc] = routing(ids, wts, n_expert);
@@ -217,12 +206,10 @@ at::Tensor moe_prefill(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_e
   std::vector<int64_t> fill(start);
   for (int64_t s = 0; s < S; ++s) slot_at[pos[s] = fill[id[s]]++] = s;
 
-  // x in each weight's format where a product needs it (the rows kernel, the f32 GEMM); a bf16 GEMM reads
-  // the f32 rows themselves (XRow src), so experts that all take it skip the conversion
-  const auto fmt = [&](const Weight& w, int64_t rows_max) {
-    bool rows = st == at::kFloat;
+  const auto fmt = [&](const Weight& w, int64_t rows_max) {          // x_format: does any expert take the rows kernel?
+    bool rows = false;
     for (int64_t e = 0; e < n_expert && !rows; ++e) rows = cnt[e] && cnt[e] <= rows_max;
-    return rows ? w.kern->fmt : X_F32;
+    return x_format(w, rows, st);
   };
   Acts xa(x.data_ptr<float>(), n, D);
   const XRow* xg = xa.rows(fmt(gate, rows_max_gu));

@@ -90,6 +90,11 @@ Weight weight(const at::Tensor& raw, int64_t off, int64_t type, int64_t n, int64
 // A weight as the Python side passes it: (raw, offset, ggml type, n_rows, k)
 using WArg = std::tuple<at::Tensor, int64_t, int64_t, int64_t, int64_t>;
 Weight weight(const WArg& a) { return weight(std::get<0>(a), std::get<1>(a), std::get<2>(a), std::get<3>(a), std::get<4>(a)); }
+// An expert stack (n_expert matrices of n rows) as the Python side passes it: (raw, offset, stride, ggml type)
+using SArg = std::tuple<at::Tensor, int64_t, int64_t, int64_t>;
+Weight weight(const SArg& a, int64_t n, int64_t k, int64_t n_expert) {
+  return weight(std::get<0>(a), std::get<1>(a), std::get<3>(a), n, k, n_expert, std::get<2>(a));
+}
 
 // Fewest weight bytes a thread's share of a product should read: below it the fork/join of the
 // second thread (a few us when it spins, a scheduler wake-up when it sleeps) costs more than the
@@ -118,7 +123,6 @@ class Acts {
     }
     return buf_[f].rows.data();
   }
-  const XBuf& buf(XFmt f) { rows(f); return buf_[f]; }
 };
 
 at::Tensor f32_rows(const at::Tensor& x, int64_t k, const char* what) {
@@ -211,13 +215,13 @@ void rows_block(const Weight& w, int64_t r0, int64_t r1, const XRow* xr, int64_t
 // dtype st: bf16 (x's f32 source, W and the results rounded to bf16) or f32 with x as the rows kernel sees it (quantized
 // and dequantized back: every product of the GEMM is one ggml's dot forms, rounded differently). F32 weights
 // (and BF16 with the bf16 GEMM) go to the GEMM as they are. out may be a strided view (ld > w.n).
-void gemm_into(const Weight& w, const XRow* xr, XFmt fmt, int64_t n, at::ScalarType st, at::Tensor out) {
+void gemm_into(const Weight& w, const XRow* xr, int64_t n, at::ScalarType st, at::Tensor out) {
   const int64_t k = w.k;
   at::Tensor xv = at::empty({n, k}, at::TensorOptions().dtype(at::kFloat));
   at::parallel_for(0, n, grain(k * 4), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       float* y = xv.data_ptr<float>() + r * k;
-      if (st == at::kFloat) values(xr[r], fmt, k, y);
+      if (st == at::kFloat) values(xr[r], w.kern->fmt, k, y);
       else memcpy(y, xr[r].src, k * sizeof(float));
     }
   });
@@ -225,11 +229,10 @@ void gemm_into(const Weight& w, const XRow* xr, XFmt fmt, int64_t n, at::ScalarT
   const auto whole = [&](at::ScalarType t) {
     return at::from_blob((void*)w.base, {w.n, k}, at::TensorOptions().dtype(t));
   };
-  const int64_t type = w.type;
   const bool aligned = reinterpret_cast<uintptr_t>(w.base) % w.kern->bytes == 0;
-  if (type == GGML_F32 && st == at::kFloat && aligned) return (void)out.copy_(at::mm(xv, whole(at::kFloat).t()));
+  if (w.type == GGML_F32 && st == at::kFloat && aligned) return (void)out.copy_(at::mm(xv, whole(at::kFloat).t()));
   const at::Tensor xs = xv.to(st);
-  if (type == GGML_BF16 && st == at::kBFloat16 && aligned) return (void)out.copy_(at::mm(xs, whole(at::kBFloat16).t()));
+  if (w.type == GGML_BF16 && st == at::kBFloat16 && aligned) return (void)out.copy_(at::mm(xs, whole(at::kBFloat16).t()));
   // ~4 MiB of scratch: the GEMM reads it from L3 right after the dequant wrote it
   const int64_t tile = std::max<int64_t>(64, (4 << 20) / (k * at::elementSize(st)) / 64 * 64);
   at::Tensor scratch = at::empty({std::min(tile, w.n), k}, at::TensorOptions().dtype(st));
@@ -244,6 +247,10 @@ void gemm_into(const Weight& w, const XRow* xr, XFmt fmt, int64_t n, at::ScalarT
 // The GEMM's dtype for a bf16 request: > 0 bf16, 0 f32, < 0 the variant's default (bf16 on avx512_bf16)
 at::ScalarType gemm_dtype(int64_t bf16) { return (bf16 < 0 ? BF16_GEMM : bf16 > 0) ? at::kBFloat16 : at::kFloat; }
 
+// The format x is converted to for products with w: its vec_dot_type where the rows kernel or the f32 GEMM
+// (rows: some go to the rows kernel) reads it; a bf16 GEMM alone reads the f32 rows (XRow src), X_F32: no copy
+XFmt x_format(const Weight& w, bool rows, at::ScalarType st) { return rows || st == at::kFloat ? w.kern->fmt : X_F32; }
+
 // out (n, n_rows) f32 = x W^T, x (n, k) f32. n <= rows_max_n: the rows kernel (x in the type's format, as
 // matvec); else gemm_into in gemm_dtype(bf16).
 at::Tensor matmul(at::Tensor raw, int64_t off, int64_t type, int64_t n_rows, int64_t k, at::Tensor x, int64_t rows_max_n,
@@ -252,15 +259,16 @@ at::Tensor matmul(at::Tensor raw, int64_t off, int64_t type, int64_t n_rows, int
   x = f32_rows(x, k, "x");
   const int64_t n = x.size(0);
   Acts a(x.data_ptr<float>(), n, k);
-  const XFmt fmt = w.kern->fmt;
-  const XRow* xr = a.rows(fmt);
+  const bool rows = n <= rows_max_n;
+  const at::ScalarType st = gemm_dtype(bf16);
+  const XRow* xr = a.rows(x_format(w, rows, st));
   auto out = at::empty({n, n_rows}, x.options());
-  if (n <= rows_max_n)
+  if (rows)
     at::parallel_for(0, w.n, std::max<int64_t>(1, grain(w.rb) / n), [&](int64_t b, int64_t e) {
       rows_block(w, b, e, xr, n, out.data_ptr<float>(), n_rows);
     });
   else
-    gemm_into(w, xr, fmt, n, gemm_dtype(bf16), out);
+    gemm_into(w, xr, n, st, out);
   return out;
 }
 
