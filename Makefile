@@ -9,10 +9,13 @@ NPROC := $(shell nproc 2>/dev/null || echo 2)
 .PHONY: setup test-deps bench test test-all
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# llama-cpp-python before the project: built for this CPU with a compiler that compiles its AMX code right,
+# from moebench's own wheel cache, never pip's (scripts/install_llama_cpp.py says why)
+$(VENV)/.installed: pyproject.toml scripts/install_llama_cpp.py engines/ggml_build.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
 	$(PY) -m pip install -q $(TORCH)
+	$(PY) scripts/install_llama_cpp.py
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 

@@ -57,6 +57,20 @@ class EngineInfo:
 class Engine(ABC):
     """One inference engine behind the harness. Heavy imports belong inside the methods."""
     name: str = ""
+    # engine settings (in settings.extra) a sweep may cross as lists -> the values each takes, e.g. repack: 0, 1
+    knobs: Mapping[str, tuple[str, ...]] = {}
+
+    @classmethod
+    def notes(cls) -> list[str]:
+        """What this engine will do differently on this host than asked, one sentence each (said once per run:
+        run.json["notes"] and the summary). Default: nothing."""
+        return []
+
+    @classmethod
+    def crash_cause(cls, signal_name: str, settings: "EngineSettings", info: dict) -> str:
+        """Why a process running this engine died with this signal here, and the fix, in one sentence ("" when
+        no known cause applies). `info` is the cell's EngineInfo.to_dict() when it got as far as loading, else {}."""
+        return ""
 
     @classmethod
     @abstractmethod
@@ -103,6 +117,11 @@ class Engine(ABC):
 
     def close(self) -> None:
         pass
+
+
+def switch(value) -> bool:
+    """An on/off engine knob as given: 0/1 (sweep lists), true/false/on/off (engine specs), bools (JSON)."""
+    return str(value).strip().lower() in ("1", "true", "on", "yes")
 
 
 # --- offload depth -------------------------------------------------------------------------------

@@ -96,7 +96,9 @@ class ExternalEngine(Engine):
         sys.stdout.write(done.output + "\n")
         sys.stdout.flush()
         if check and p.returncode != 0:
-            how = (f"was killed by {signal.Signals(-p.returncode).name}" if p.returncode < 0
+            sig = signal.Signals(-p.returncode).name if p.returncode < 0 else ""
+            cause = type(self).crash_cause(sig, self.s, {}) if sig and hasattr(self, "s") else ""
+            how = (f"was killed by {sig}" + (f" ({cause})" if cause else "") if sig
                    else f"exited with code {p.returncode}")
             raise ExternalError(f"{self.binary_name} {how}; output tail: {tail(done.output) or '(none)'}")
         return done

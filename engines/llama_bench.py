@@ -8,6 +8,9 @@ that checks binary, flags and model before any workload, gives the build and the
 settings for info(), and load_s is that probe's wall time (a model load plus one token).
 Flags are mapped from the binary's `--help`, since they change between builds too.
 
+llama-bench's `--repack` and `--no-host` are engine knobs, as for the llama-cpp engine; a binary built by a compiler
+that miscompiles AMX runs with `--repack 0` on an AMX CPU (engines/ggml_build.py), and notes() says so.
+
 Where the binary comes from: `moebench sweep --llama-bench PATH` (settings.extra["llama_bench"]),
 $MOEBENCH_LLAMA_BENCH, the cache that `moebench tools build-llama-bench` fills
 (<cache>/llama-bench/<llama-cpp-python version>/bin/llama-bench, the same llama.cpp commit as the
@@ -20,7 +23,8 @@ import re
 from importlib import metadata
 from pathlib import Path
 
-from engines.base import EngineInfo, EngineSettings
+from engines import ggml_build
+from engines.base import EngineInfo, EngineSettings, switch
 from engines.external import ExternalEngine, ExternalError, tail
 from engines.gguf_meta import read_meta
 
@@ -28,7 +32,8 @@ from engines.gguf_meta import read_meta
 EFFECTIVE = {"n_threads": "threads", "n_batch": "n_batch", "n_ubatch": "n_ubatch", "flash_attn": "flash_attn",
              "n_gpu_layers": "n_gpu_layers", "n_cpu_moe": "n_cpu_moe", "type_k": "type_k", "type_v": "type_v",
              "load_mode": "load_mode", "use_mmap": "mmap", "no_op_offload": "no_op_offload",
-             "backends": "backends", "cpu_info": "cpu_info", "gpu_info": "gpu_info", "devices": "devices"}
+             "backends": "backends", "cpu_info": "cpu_info", "gpu_info": "gpu_info", "devices": "devices",
+             "repack": "repack", "no_host": "no_host"}
 
 
 def cache_root() -> Path:
@@ -86,6 +91,30 @@ class LlamaBenchEngine(ExternalEngine):
     env_var = "MOEBENCH_LLAMA_BENCH"
     how_to_get = ("build one matching the installed llama-cpp-python with `moebench tools build-llama-bench`, "
                   "or pass `--llama-bench PATH` / set MOEBENCH_LLAMA_BENCH=PATH.")
+    knobs = {"repack": ("0", "1"), "no_host": ("0", "1")}
+
+    @classmethod
+    def amx_fallback(cls, binary: Path | None) -> str:
+        """Why this binary must run with --repack 0 here, or "". It was built for this CPU (-march=native, as
+        `moebench tools build-llama-bench` builds), so on an AMX CPU its AMX code is in."""
+        compiler = ggml_build.compiler_of(binary) if binary else ""
+        if not ggml_build.amx_crash_applies(compiler, "AMX_INT8 = 1"):
+            return ""
+        return (f"llama-bench runs with --repack 0 (no AMX, no CPU_REPACK buffers) whatever was asked: {binary} was "
+                f"built by {compiler}, which miscompiles llama.cpp's AMX code, and this CPU has AMX (it would crash); "
+                f"`moebench tools build-llama-bench --force` rebuilds it with clang.")
+
+    @classmethod
+    def notes(cls) -> list[str]:
+        why = cls.amx_fallback(cls.find())
+        return [why] if why else []
+
+    @classmethod
+    def crash_cause(cls, signal_name: str, settings: EngineSettings, info: dict) -> str:
+        binary = cls.find(settings.extra.get(cls.extra_key))
+        repack = switch(settings.extra.get("repack", True)) and not cls.amx_fallback(binary)
+        return ggml_build.crash_cause(signal_name, ggml_build.compiler_of(binary) if binary else "", "AMX_INT8 = 1",
+                                      repack)
 
     @classmethod
     def discovered(cls) -> list[Path]:
@@ -146,6 +175,15 @@ class LlamaBenchEngine(ExternalEngine):
             flags += ["-lm", "mmap" if s.mmap else "none"]
         elif has("-mmp", "--mmap"):
             flags += ["-mmp", int(s.mmap)]
+        self.repack = switch(s.extra.get("repack", True)) and not self.amx_fallback(self.binary)
+        self.no_host = switch(s.extra.get("no_host", False))
+        # passed when asked (or forced off), so an older llama-bench without the flags still runs its defaults
+        for flag, on, asked in (("--repack", self.repack, "repack" in s.extra or not self.repack),
+                                ("--no-host", self.no_host, "no_host" in s.extra)):
+            if asked and not has(flag):
+                raise ExternalError(f"this llama-bench ({self.binary}) has no {flag} flag; use a newer build "
+                                    f"(`moebench tools build-llama-bench`)")
+            flags += [flag, int(on)] if asked else []
         self.has_depth = bool(has("-d", "--n-depth"))
         self.has_no_warmup = bool(has("--no-warmup"))
         return [str(f) for f in flags]
@@ -181,7 +219,8 @@ class LlamaBenchEngine(ExternalEngine):
         effective = {ours: p[theirs] for theirs, ours in EFFECTIVE.items() if theirs in p}
         effective |= {"n_ctx": "n_prompt + n_gen + n_depth of each test (llama-bench sizes it per test)",
                       "load": "inside every llama-bench run (load_s = a 1-token probe run)",
-                      "binary": str(self.binary), "argv": self.flags}
+                      "binary": str(self.binary), "argv": self.flags,
+                      "ggml_compiler": ggml_build.compiler_of(self.binary)}
         return EngineInfo(
             engine=self.name, version=self.version_of(self.binary, p), settings=effective,
             bytes_by_device={},            # llama-bench reports no per-buffer sizes; see extra.model_size

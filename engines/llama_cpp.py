@@ -4,16 +4,21 @@
 `--n-cpu-moe N` becomes a NULL-terminated tensor_buft_overrides array, one pattern per layer
 0..N-1, all pointing at the CPU buffer type of the already loaded library (DESIGN.md field notes).
 Timing follows llama-bench: clear memory before each repetition, llama_synchronize before return.
+llama-bench's `repack` (= use_extra_bufts: the AMX and CPU_REPACK buffer types) and `no_host` are engine knobs
+(settings.extra, crossed as lists by a sweep); a build that would crash with them (engines/ggml_build.py) runs
+without the extra buffer types, and notes() says so once per run.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 from importlib import metadata
 from pathlib import Path
 from typing import Sequence
 
-from engines.base import Engine, EngineInfo, EngineSettings, expert_layer
+from engines import ggml_build
+from engines.base import Engine, EngineInfo, EngineSettings, expert_layer, switch
 from engines.gguf_meta import read_meta
 
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
@@ -22,6 +27,7 @@ MIB = 2**20
 # (?<!\S): a match starts at a word's start; without it the search backtracks quadratically over a long word
 # (a 4 MiB general.name in the load log took minutes)
 _BUFFER = re.compile(r"(?<!\S)(\S+)\s+(model|KV|compute|output|RS) buffer size =\s*([\d.]+) MiB")
+EXTRA_BUFTS = ("AMX", "CPU_REPACK", "CPU_KLEIDIAI")     # llama.cpp's extra CPU buffer types (model buffers)
 _OVERRIDE = re.compile(r"tensor (blk\.\d+\.\S+) \(.*\) buffer type overridden to (\S+)")
 
 
@@ -41,6 +47,32 @@ class _Override(ctypes.Structure):
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
+def _compiler() -> str:
+    """The compiler of the installed libggml-cpu (engines.ggml_build.compiler_of)."""
+    lib = ggml_build.llama_cpp_lib()
+    return ggml_build.compiler_of(lib) if lib else ""
+
+
+def _system_info() -> str:
+    import llama_cpp as L
+    return L.llama_print_system_info().decode(errors="replace").strip()
+
+
+@functools.cache
+def amx_fallback() -> str:
+    """Why llama.cpp must run without its extra buffer types here ("" when it need not): a build by a compiler
+    that miscompiles AMX, with AMX compiled in, on an AMX CPU. Imports llama_cpp only where the cheap checks
+    (CPU flags, the library's compiler) point that way."""
+    compiler = _compiler()
+    if not (ggml_build.amx_host() and ggml_build.miscompiles_amx(compiler)):
+        return ""
+    if not ggml_build.amx_crash_applies(compiler, _system_info()):
+        return ""
+    return (f"llama-cpp runs with repack=0 (no AMX, no CPU_REPACK buffers) whatever was asked: its libggml was built "
+            f"by {compiler}, which miscompiles llama.cpp's AMX code, and this CPU has AMX (it would crash); "
+            f"`make setup` rebuilds it with clang.")
+
+
 def override_patterns(n_cpu_moe: int) -> list[str]:
     """One regex per offloaded layer (searched, not anchored, so `blk\\.1\\.` must not match blk.10)."""
     return [rf"blk\.{i}\.ffn_(up|down|gate|gate_up)_(ch|)exps" for i in range(n_cpu_moe)]
@@ -48,6 +80,18 @@ def override_patterns(n_cpu_moe: int) -> list[str]:
 
 class LlamaCppEngine(Engine):
     name = "llama-cpp"
+    knobs = {"repack": ("0", "1"), "no_host": ("0", "1")}      # llama-bench's --repack, --no-host
+
+    @classmethod
+    def notes(cls) -> list[str]:
+        return [amx_fallback()] if amx_fallback() else []
+
+    @classmethod
+    def crash_cause(cls, signal_name: str, settings: EngineSettings, info: dict) -> str:
+        eff = info.get("settings", {})
+        compiler = eff.get("ggml_compiler") or _compiler()
+        return ggml_build.crash_cause(signal_name, compiler, eff.get("system_info", ""),
+                                      bool(eff.get("repack", switch(settings.extra.get("repack", True)))))
 
     @classmethod
     def available(cls) -> str | None:
@@ -72,7 +116,12 @@ class LlamaCppEngine(Engine):
         _capture_log(L)
         L.llama_backend_init()
 
+        self.system_info = _system_info()
+        self.compiler = _compiler()
+        self.repack = switch(s.extra.get("repack", True)) and not amx_fallback()
+        self.no_host = switch(s.extra.get("no_host", False))
         mp = L.llama_model_default_params()
+        mp.use_extra_bufts, mp.no_host = self.repack, self.no_host
         mp.n_gpu_layers = -1
         mp.load_mode = L.LLAMA_LOAD_MODE_MMAP if s.mmap else L.LLAMA_LOAD_MODE_NONE
         # keep the patterns and the array alive as long as the model (else: segfault)
@@ -151,7 +200,11 @@ class LlamaCppEngine(Engine):
             settings={"n_cpu_moe": s.n_cpu_moe, "n_ctx": self.L.llama_n_ctx(self.ctx), "n_batch": s.n_batch,
                       "n_ubatch": s.n_ubatch, "threads": s.threads, "flash_attn": s.flash_attn,
                       "op_offload": bool(s.extra.get("op_offload", True)), "mmap": s.mmap,
-                      "n_gpu_layers": -1, "system_info": self.L.llama_print_system_info().decode().strip()},
+                      "n_gpu_layers": -1, "repack": int(self.repack), "no_host": int(self.no_host),
+                      "ggml_compiler": self.compiler, "system_info": self.system_info,
+                      "extra_bufts": {k.split(":", 1)[1]: v for k, v in by_buffer.items()
+                                      if k.split(":", 1)[1] in EXTRA_BUFTS},
+                      "experts_unrepacked_bytes": self._unrepacked(_OVERRIDE.findall(log))},
             bytes_by_device=by_buffer,
             expert_bytes_host=sum(t.n_bytes for t in self.meta.tensors
                                   if t.layer is not None and t.layer in host_layers),
@@ -159,6 +212,15 @@ class LlamaCppEngine(Engine):
             n_overridden_tensors=len(overridden),
             extra={"overridden_tensors": overridden},
         )
+
+    def _unrepacked(self, overrides: list[tuple[str, str]]) -> int:
+        """Expert bytes --n-cpu-moe put in the plain CPU buffer although an extra buffer type would take them, so
+        llama.cpp's expert kernels change with the depth (repacked at depth 0, plain at depth N). This llama.cpp
+        repacks overridden experts too (0 here); other builds may not, and the report's fairness section says so."""
+        bufts = ggml_build.cpu_bufts() if self.repack else {}
+        kept = {name for name, buft in overrides if buft == "CPU"}
+        return sum(t.n_bytes for t in self.meta.tensors if t.name in kept
+                   and ggml_build.extra_buft(t.name, t.ne, t.ggml_type, bufts) is not None)
 
     def close(self) -> None:
         L = self.L

@@ -3,7 +3,8 @@
 `build_llama_bench` builds llama-bench from the source distribution of the *installed*
 llama-cpp-python, so the llama-bench engine and the llama-cpp engine run the same llama.cpp commit
 (the sdist vendors it under vendor/llama.cpp). The result lands in
-<cache>/llama-bench/<llama-cpp-python version>/bin/llama-bench, where engines.llama_bench finds it.
+<cache>/llama-bench/<llama-cpp-python version>/bin/llama-bench, where engines.llama_bench finds it, with the same
+commit's scripts/compare-llama-bench.py beside it (it reads `moebench sweep --format json` output too).
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Callable
 
 from engines.errors import UserError
+
+COMPARE_SCRIPT = "compare-llama-bench.py"     # llama.cpp's table of two builds' (here: two runs') llama-bench results
 
 
 def llama_cpp_python_version() -> str:
@@ -41,14 +44,14 @@ def cuda_present() -> bool:
     return bool(shutil.which("nvcc")) and bool(gpus())
 
 
-def _run(echo: Callable[[str], None], cmd: list[str], log, cwd: Path | None = None) -> None:
+def _run(echo: Callable[[str], None], cmd: list[str], log, cwd: Path | None = None, env: dict | None = None) -> None:
     # GIT_DIR: the sdist has no .git; without this, a cache dir inside some other git checkout would
     # stamp that checkout's commit into llama-bench's build_commit
     echo("$ " + " ".join(cmd))
     log.write(("$ " + " ".join(cmd) + "\n").encode())
     log.flush()
     r = subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                       env=os.environ | {"GIT_DIR": os.devnull})
+                       env=os.environ | {"GIT_DIR": os.devnull} | (env or {}))
     if r.returncode:
         log.flush()
         tail = Path(log.name).read_bytes()[-1500:].decode(errors="replace")
@@ -75,8 +78,17 @@ def build_llama_bench(version: str | None, cuda: bool | None, jobs: int | None, 
     version = version or llama_cpp_python_version()
     dest = llama_bench_dir(version)
     binary = dest / "bin" / "llama-bench"
-    if binary.is_file() and not force:
+    compare = binary.parent / COMPARE_SCRIPT      # a build made before the script was kept is built again
+    from engines import ggml_build
+    from engines.llama_bench import LlamaBenchEngine
+    stale = binary.is_file() and LlamaBenchEngine.amx_fallback(binary)    # built by a compiler that breaks AMX here
+    if binary.is_file() and compare.is_file() and not force and not stale:
         return f"already built: {binary} (--force rebuilds)"
+    # the compiler: clang where the default one miscompiles llama.cpp's AMX code on this CPU (engines/ggml_build.py)
+    cc = ggml_build.build_env()
+    if cc is None:
+        echo("warning: this CPU has AMX and the default compiler miscompiles llama.cpp's AMX code, and no clang is "
+             "installed (`apt-get install clang-19 libomp-19-dev`): llama-bench will run with --repack 0")
     cuda = cuda_present() if cuda is None else cuda
     if not shutil.which("cmake"):
         raise UserError("cmake is not on PATH; install it (e.g. `apt-get install cmake` or `pip install cmake`) and "
@@ -102,12 +114,13 @@ def build_llama_bench(version: str | None, cuda: bool | None, jobs: int | None, 
                   "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
                       "-DLLAMA_CURL=OFF",
                   "-DBUILD_SHARED_LIBS=OFF", f"-DGGML_CUDA={'ON' if cuda else 'OFF'}"]
-                 + (["-G", "Ninja"] if shutil.which("ninja") else []), log)
+                 + (["-G", "Ninja"] if shutil.which("ninja") else []), log, env=cc)
             _run(echo, ["cmake", "--build", str(build), "--target", "llama-bench", "-j",
                         str(jobs or os.cpu_count() or 1)], log)
             built = next(build.rglob("bin/llama-bench"))
             binary.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(built, binary)
+            shutil.copy2(llama / "scripts" / COMPARE_SCRIPT, compare)
         # what we built from; engines.llama_bench reads it for the version, since the binary says "unknown"
         commit = _vendor_commit(src, version)
         (dest / "build.json").write_text(json.dumps({

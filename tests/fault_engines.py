@@ -8,6 +8,7 @@ import resource
 import time
 
 from engines.base import Engine, EngineInfo
+from engines.llama_cpp import LlamaCppEngine
 
 
 class _Base(Engine):
@@ -83,3 +84,17 @@ class Unavailable(_Base):
     @classmethod
     def available(cls):
         return "its runtime is not installed on this machine (install it to use this engine)."
+
+
+class AmxCrashEngine(LlamaCppEngine):
+    """The real llama.cpp, reporting GCC 12 as the compiler of its libggml (faked compiler detection, nothing else)
+    and dying with SIGSEGV at its first batch of 2+ tokens, as such a build does on an AMX CPU."""
+    name = "amx-crash"
+
+    def load(self, model, s):
+        super().load(model, s)
+        self.compiler = "gcc 12.2.0"
+
+    def prefill(self, tokens):
+        import signal
+        os.kill(os.getpid(), signal.SIGSEGV)

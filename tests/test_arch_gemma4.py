@@ -43,7 +43,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 
 def llama_cpp_run(path: Path, n_gen: int = N_GEN) -> tuple[np.ndarray, list[int], np.ndarray]:
-    """llama.cpp: logits of every prompt position, its greedy tokens decoded one at a time and their logits."""
+    """llama.cpp: logits of every prompt position, its greedy tokens decoded one at a time and their logits.
+    Run it conftest.isolated()."""
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_UBATCH, n_threads=THREADS,
@@ -61,7 +62,7 @@ def llama_cpp_run(path: Path, n_gen: int = N_GEN) -> tuple[np.ndarray, list[int]
 
 @pytest.fixture(scope="module")
 def llama(files) -> dict[str, tuple[np.ndarray, list[int], np.ndarray]]:
-    return {dt: llama_cpp_run(p) for dt, p in files.items()}
+    return conftest.isolated(conftest.for_each, llama_cpp_run, {dt: (p,) for dt, p in files.items()})
 
 
 def engine(path: Path, depth: int, **extra) -> ReferenceEngine:
@@ -129,7 +130,7 @@ def test_real_head_geometry_f32_matches_llama_cpp(tmp_path):
     h = replace(H, n_head=16, n_head_kv=8, head_dim=256, n_head_kv_full=2, head_dim_full=512, n_swa=64,
                 n_expert=32, n_expert_used=8, softcap=30.0)
     path = synthesize(replace(PRESET, h=h), tmp_path / "real-heads.gguf")
-    want, gen, want_gen = llama_cpp_run(path, n_gen=4)
+    want, gen, want_gen = conftest.isolated(llama_cpp_run, path, n_gen=4)
     got, got_gen, _ = ref_run(path, 0, gen)
     assert np.abs(got - want).max() < LOGIT_ATOL
     clear = margin(want) > 2 * LOGIT_ATOL
@@ -170,12 +171,8 @@ def test_host_tensors_are_those_llama_cpp_overrides(files, depth):
     """At --n-cpu-moe N both engines keep exactly the same tensors in host RAM: per layer < N the fused
     ffn_gate_up_exps, ffn_down_exps and the per-expert ffn_down_exps.scale (llama.cpp's pattern is searched,
     so it matches the .scale too); not the router, its input scale or the dense MLP."""
-    from engines.llama_cpp import LlamaCppEngine
-
-    lc = LlamaCppEngine()
-    lc.load(files["f32"], EngineSettings(n_cpu_moe=depth, n_ctx=64, n_batch=64, n_ubatch=16, threads=THREADS))
-    theirs = lc.info()
-    lc.close()
+    theirs, _ = conftest.isolated(conftest.llama_cpp_load, files["f32"],
+                                  EngineSettings(n_cpu_moe=depth, n_ctx=64, n_batch=64, n_ubatch=16, threads=THREADS))
     e = engine(files["f32"], depth)
     ours = {f"blk.{il}.{name}" for il, s in enumerate(e.moe.layers) if s.on_host
             for name, t in (("ffn_gate_up_exps.weight", s.gate), ("ffn_down_exps.weight", s.down),

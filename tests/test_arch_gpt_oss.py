@@ -44,7 +44,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 
 def llama_cpp_logits(path: Path, steps=STEPS) -> tuple[np.ndarray, np.ndarray]:
-    """llama.cpp's logits of every prompt position (n, V) and of each decode step (s, V), KV cache f32."""
+    """llama.cpp's logits of every prompt position (n, V) and of each decode step (s, V), KV cache f32. Run it
+    conftest.isolated()."""
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_UBATCH, n_threads=2,
@@ -79,7 +80,8 @@ def ref_logits(path: Path, depth: int, **extra) -> tuple[np.ndarray, np.ndarray,
 
 @pytest.fixture(scope="module")
 def llama(files) -> dict[str, np.ndarray]:
-    return {k: np.concatenate(llama_cpp_logits(p)) for k, p in files.items()}
+    runs = conftest.isolated(conftest.for_each, llama_cpp_logits, {k: (p,) for k, p in files.items()})
+    return {k: np.concatenate(run) for k, run in runs.items()}
 
 
 @pytest.mark.parametrize("kind", ["f32", "mxfp4"])
@@ -149,20 +151,16 @@ def test_greedy_continuation_identical_at_depths_0_half_all_and_to_llama_cpp(fil
     assert len(set(seqs[0])) > 3                                       # a real continuation
     assert seqs[0] == seqs[2] == seqs[4]
     # llama.cpp's greedy continuation is the same iff, fed our tokens, its argmax picks our next one each step
-    prompt, dec = llama_cpp_logits(files["f32"], steps=seqs[0][:-1])
+    prompt, dec = conftest.isolated(llama_cpp_logits, files["f32"], steps=seqs[0][:-1])
     assert [int(prompt[-1].argmax())] + [int(t) for t in dec.argmax(-1)] == seqs[0]
 
 
 @pytest.mark.parametrize("depth", [1, 3])
 def test_host_tensors_are_those_llama_cpp_overrides(files, depth):
     """--n-cpu-moe N moves 6 tensors a layer (gate/up/down expert stacks and their biases; not the router)."""
-    from engines.llama_cpp import LlamaCppEngine
-
     path = files["mxfp4"]
-    lc = LlamaCppEngine()
-    lc.load(path, EngineSettings(n_cpu_moe=depth, n_ctx=64, threads=2))
-    moved = sorted(lc.info().extra["overridden_tensors"])
-    lc.close()
+    theirs, _ = conftest.isolated(conftest.llama_cpp_load, path, EngineSettings(n_cpu_moe=depth, n_ctx=64, threads=2))
+    moved = sorted(theirs.extra["overridden_tensors"])
     entries = {t.name: t for t in read_meta(path).tensors}
     assert len(moved) == 6 * depth and all(n.endswith((".weight", ".bias")) for n in moved)
     e = load(path, depth)

@@ -18,6 +18,7 @@ from engines.reference.archs import ARCHS
 from engines.reference.engine import ReferenceEngine
 from engines.reference.qwen35moe import delta_chunked, delta_step
 from workloads.synth import PRESETS, preset, synthesize, write_metadata
+from tests import conftest
 
 TINY = PRESETS["qwen35moe-tiny"]
 H = TINY.h                                            # 7 blocks: 6 trunk + 1 MTP
@@ -46,7 +47,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 def llama_cpp_run(path: Path, tokens=PROMPT, n_new=N_NEW) -> tuple[np.ndarray, list[int], np.ndarray]:
     """llama.cpp with an f32 KV cache: prompt logits (n, V), then a greedy continuation of n_new one-token
-    decodes: its tokens and the logits each was chosen from (n_new, V)."""
+    decodes: its tokens and the logits each was chosen from (n_new, V). Run it conftest.isolated()."""
     import llama_cpp
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, n_ubatch=32, n_threads=2, logits_all=True,
                           verbose=False, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
@@ -64,7 +65,7 @@ def llama_cpp_run(path: Path, tokens=PROMPT, n_new=N_NEW) -> tuple[np.ndarray, l
 
 @pytest.fixture(scope="module")
 def llama(files) -> dict[str, tuple]:
-    return {k: llama_cpp_run(p) for k, p in files.items()}
+    return conftest.isolated(conftest.for_each, llama_cpp_run, {k: (p,) for k, p in files.items()})
 
 
 def engine(path: Path, depth: int, n_ubatch: int = UBATCH, **extra) -> ReferenceEngine:
@@ -133,17 +134,16 @@ def test_host_experts_are_those_llama_cpp_overrides(files):
     """At every depth the reference engine keeps in host RAM exactly the expert tensors llama.cpp's --n-cpu-moe
     moves to the CPU (its own log). The MTP block's experts (block 6) are never loaded by either engine."""
     from engines.gguf_meta import read_meta
-    from engines.llama_cpp import LlamaCppEngine
     path = files["iq4_xs"]
     by_layer = {}
     for t in read_meta(path).tensors:
         if t.layer is not None:
             by_layer.setdefault(t.layer, set()).add(t.name)
-    for depth in (0, 2, H.n_trunk, ALL):
-        ll = LlamaCppEngine()
-        ll.load(path, EngineSettings(n_cpu_moe=depth, n_ctx=64, n_batch=64, n_ubatch=64, threads=2))
-        li = ll.info()
-        ll.close()
+    depths = (0, 2, H.n_trunk, ALL)
+    theirs = conftest.isolated(conftest.for_each, conftest.llama_cpp_load, {
+        d: (path, EngineSettings(n_cpu_moe=d, n_ctx=64, n_batch=64, n_ubatch=64, threads=2)) for d in depths})
+    for depth in depths:
+        li, _ = theirs[depth]
         e = engine(path, depth)
         held = {n for il, s in enumerate(e.moe.layers) if s is not None and s.on_host for n in by_layer[il]}
         assert held == set(li.extra["overridden_tensors"]) == {n for il in range(min(depth, H.n_trunk))
@@ -206,7 +206,7 @@ def test_layout_variants_match_llama_cpp(tmp_path, monkeypatch):
                fused_qkv=True, fused_gate_up=True, attn_bias=True, rope_sections=(2, 2, 2, 2))
     path = synthesize(p, tmp_path / "variant.gguf")
     tokens = PROMPT[:100]
-    ref_prompt, gen, ref_steps = llama_cpp_run(path, tokens, n_new=4)
+    ref_prompt, gen, ref_steps = conftest.isolated(llama_cpp_run, path, tokens, n_new=4)
     prompt, steps = reference_run(path, 6, gen, n_ubatch=64, tokens=tokens)
     assert np.abs(prompt - ref_prompt).max() < F32_ATOL and np.abs(steps - ref_steps).max() < F32_ATOL
     assert (prompt.argmax(-1) == ref_prompt.argmax(-1)).all()

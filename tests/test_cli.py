@@ -1,9 +1,10 @@
 """The CLI through a subprocess: exit codes, one-sentence errors, output formats."""
+import csv
 import json
 
 import pytest
 
-from tests.conftest import moebench
+from tests.conftest import moebench, run_dir_of
 
 
 def one_sentence_error(r, *needles):
@@ -81,3 +82,19 @@ def test_output_formats(tiny, tmp_path, fmt):
         assert lines[0].startswith("engine,n_cpu_moe,workload,status,tok/s median") and len(lines) == 5
     else:
         assert text.count("| llama-cpp |") == 4 and "tok/s median" in text
+
+
+def test_a_sweep_whose_every_cell_failed_says_so_and_exits_1(tiny, tmp_path):
+    """--strict or not; the rows are written first, and --resume (the fault gone) ends it with exit 0."""
+    args = ["sweep", "-m", tiny, "-e", "crash", "--n-cpu-moe", "0,2", "-w", "pp8", "-r", "1", "--sample-ms", "0",
+            "--results-dir", tmp_path]
+    for strict in ([], ["--strict"]):
+        r = moebench(*args, *strict, env={"FAULT": "crash"})
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        run = run_dir_of(r)
+        said = [line for line in r.stderr.splitlines() if "every cell" in line]
+        assert said == [f"error: every cell of this sweep failed (2 cells); see each cell's error in "
+                        f"{run / 'cells.csv'}"], r.stderr
+        assert [c["status"] for c in csv.DictReader((run / "cells.csv").open())] == ["failed", "failed"]
+    r = moebench("sweep", "--resume", run)
+    assert r.returncode == 0 and "every cell" not in r.stderr, r.stderr

@@ -24,6 +24,7 @@ import torch
 
 from engines.base import EngineSettings
 from engines.gguf_meta import ModelMeta, read_meta
+from tests.conftest import for_each, isolated, llama_cpp_load
 
 CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu,
@@ -232,15 +233,10 @@ def test_llama_cpp_is_a_cuda_build():
 @pytest.fixture(scope="module")
 def llama_infos(gpu_model):
     """llama.cpp's info() at depths 0, half, all (flash attention off: the plan is asked for the same)."""
-    from engines.llama_cpp import LlamaCppEngine
-
-    out = {}
-    for d in DEPTHS:
-        e = LlamaCppEngine()
-        e.load(gpu_model, EngineSettings(n_cpu_moe=d, n_ctx=300, threads=os.cpu_count() or 1, flash_attn="off"))
-        out[d] = e.info()
-        e.close()
-    return out
+    loads = isolated(for_each, llama_cpp_load, {
+        d: (gpu_model, EngineSettings(n_cpu_moe=d, n_ctx=300, threads=os.cpu_count() or 1, flash_attn="off"))
+        for d in DEPTHS})
+    return {d: info for d, (info, _) in loads.items()}
 
 
 def llama_plan(meta, depth: int):
@@ -292,24 +288,27 @@ def test_plan_llama_host_bytes(gpu_model, llama_infos, depth):
          f"mapped span {span / MIB:.2f} MiB), plan {d.host_bytes / MIB:.2f} MiB")
 
 
+def llama_cuda_rows(path: Path, depth: int, toks: list[int]) -> np.ndarray:
+    """llama.cpp's last logits after prefilling toks[:64], then after decoding each of the rest. Run it isolated()."""
+    from engines.llama_cpp import LlamaCppEngine
+
+    e = LlamaCppEngine()
+    e.load(path, EngineSettings(n_cpu_moe=depth, n_ctx=128, threads=os.cpu_count() or 1, flash_attn="off"))
+    e.prefill(toks[:64])
+    rows = [np.array(e.logits())]
+    for t in toks[64:]:
+        e.decode(t)
+        rows.append(np.array(e.logits()))
+    e.close()
+    return np.stack(rows)
+
+
 def test_llama_cuda_runs_the_same_at_depth_0_and_all(gpu_model):
     """A 64-token prefill (op offload: the host experts are copied to the GPU for a batch >= 32) and 4 decodes (the
     host experts computed on the CPU) at depth all give about the logits of depth 0 (f16 weights; cuBLAS and the
     CPU kernels round differently, so: close, and the same top token in at least 4 of the 5 rows)."""
-    from engines.llama_cpp import LlamaCppEngine
-
     toks = [int(t) for t in np.random.default_rng(3).integers(0, 1024, 68)]
-    out = {}
-    for d in (0, N_LAYERS):
-        e = LlamaCppEngine()
-        e.load(gpu_model, EngineSettings(n_cpu_moe=d, n_ctx=128, threads=os.cpu_count() or 1, flash_attn="off"))
-        e.prefill(toks[:64])
-        rows = [np.array(e.logits())]
-        for t in toks[64:]:
-            e.decode(t)
-            rows.append(np.array(e.logits()))
-        e.close()
-        out[d] = np.stack(rows)
+    out = isolated(for_each, llama_cuda_rows, {d: (gpu_model, d, toks) for d in (0, N_LAYERS)})
     diff = np.abs(out[0] - out[N_LAYERS]).max(axis=-1)
     print(f"max |logit diff| per row, depth 0 vs all: {np.round(diff, 4)}")
     assert np.isfinite(out[0]).all() and np.isfinite(out[N_LAYERS]).all()

@@ -4,6 +4,8 @@ llama-bench that `moebench tools build-llama-bench` builds from the installed ll
 sdist, on the tiny model, cross-checked against the llama-cpp engine."""
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -14,7 +16,7 @@ from engines.llama_bench import LlamaBenchEngine, parse_jsonl, pick_record, samp
 from harness.run.sweep import run_sweep
 from harness.run.spec import SweepSpec
 
-from .conftest import moebench
+from .conftest import moebench, run_dir_of
 
 STAND_IN = Path(__file__).parent / "stand_ins" / "llama-bench"
 
@@ -97,6 +99,17 @@ def test_bad_binary_runs_give_a_failed_cell_with_the_reason(tiny, tmp_path, monk
     assert meas.empty
 
 
+def test_repack_and_no_host_reach_the_binary_as_its_flags(tiny, tmp_path):
+    r = moebench("sweep", "-m", tiny, "-e", "llama-bench", "--llama-bench", STAND_IN, "-w", "pp16", "-r", "1",
+                 "--threads", "2", "--repack", "0,1", "--no-host", "1", "--results-dir", tmp_path)
+    assert r.returncode == 0, r.stderr
+    cells = pd.read_csv(run_dir_of(r) / "cells.csv").sort_values("cell_id")
+    assert cells["cell_id"].str.split("/").str[0].tolist() == ["llama-bench@repack=0", "llama-bench@repack=1"]
+    eff = [json.loads(e) for e in cells["effective_settings"]]
+    assert [(e["repack"], e["no_host"]) for e in eff] == [(False, True), (True, True)]     # as the binary ran
+    assert [e["argv"][-4:] for e in eff] == [["--repack", "0", "--no-host", "1"], ["--repack", "1", "--no-host", "1"]]
+
+
 def test_missing_binary_is_a_failed_cell_and_the_sweep_goes_on(tiny, tmp_path):
     r = moebench("sweep", "-m", tiny, "-e", "llama-bench,llama-cpp", "--llama-bench", tmp_path / "nope" / "llama-bench",
                  "-w", "pp16", "-r", "1", "--threads", "2", "--results-dir", tmp_path)
@@ -145,12 +158,81 @@ def test_real_llama_bench_agrees_with_the_llama_cpp_engine(tiny, tmp_path):
     assert ((ratio > 0.9) & (ratio < 1.1)).all(), best
 
 
+@pytest.mark.slow
+def test_real_llama_bench_crosses_repack(tmp_path):
+    """--repack 0,1 on a Q4_K_M file: llama-bench runs each arm with its own flag and says so in its JSON; built
+    by `moebench tools build-llama-bench`, with a compiler that runs AMX correctly on an AMX CPU."""
+    from engines import ggml_build
+
+    binary = _real_binary()
+    assert not (ggml_build.amx_host() and ggml_build.miscompiles_amx(ggml_build.compiler_of(binary)))
+    r = moebench("sweep", "-m", "preset:tiny:q4_k_m", "-e", "llama-bench", "--llama-bench", binary, "--n-cpu-moe",
+                 "0,all", "-w", "pp32,tg4", "-r", "1", "--threads", "2", "--repack", "0,1",
+                 "--results-dir", tmp_path)
+    assert r.returncode == 0, r.stderr
+    cells = pd.read_csv(run_dir_of(r) / "cells.csv")
+    assert (cells["status"] == "ok").all(), cells["error"].tolist()
+    for _, c in cells.iterrows():
+        eff = json.loads(c["effective_settings"])
+        assert eff["repack"] == bool(json.loads(c["extra"])["repack"]) and eff["ggml_compiler"]
+
+
+def _json_sweep(tiny, binary: Path, out: Path, engines: str, *args) -> tuple[Path, list[dict]]:
+    """A tiny sweep written with `--format json -o out` (llama-bench's records): its run directory and records."""
+    r = moebench("sweep", "-m", tiny, "-e", engines, "--llama-bench", binary, "--rounds", "1", "--threads", "2",
+                 "--results-dir", out.parent / "results", "--format", "json", "-o", out, *args)
+    assert r.returncode == 0, r.stderr
+    return run_dir_of(r), json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_compare_llama_bench_reads_two_runs(tiny, tmp_path):
+    """llama.cpp's compare-llama-bench.py (build-llama-bench keeps it beside the binary) on two runs, each a "build":
+    one row per engine x depth x test, the engines apart in Backends."""
+    binary = _real_binary()
+    runs = [_json_sweep(tiny, binary, tmp_path / f"{name}.json", "llama-cpp,llama-bench", "--n-cpu-moe", "0,all",
+                        "-w", "pp16,tg4@d8", "-r", "2")[0].name for name in "ab"]
+    r = subprocess.run([sys.executable, binary.parent / "compare-llama-bench.py", "-t", "llama-bench",
+                        "-i", "a.json", "-i", "b.json", "-b", runs[0], "-c", runs[1]],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    print(r.stdout)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    header = [h.strip() for h in lines[0].strip("|").split("|")]
+    assert header[-4:] == ["Test", f"t/s {runs[0]}", f"t/s {runs[1]}", "Speedup"]
+    rows = [dict(zip(header, (v.strip() for v in line.strip("|").split("|")))) for line in lines[2:]]
+    assert sorted((r["Backends"], r["n_cpu_moe"], r["Test"]) for r in rows) == sorted(
+        (f"{e}: CPU", n, t) for e in ("llama-cpp", "llama-bench") for n in ("0", "4") for t in ("pp16", "tg4@d8"))
+    assert all(float(r[f"t/s {run}"]) > 0 for r in rows for run in runs)
+
+
+@pytest.mark.slow
+def test_our_json_of_a_llama_bench_cell_is_llama_benchs_own(tiny, tmp_path):
+    """The keys of llama-bench's own `-o json` (plus ours), and its values for the same flags, timings and what
+    names this run aside."""
+    binary = _real_binary()
+    run, (ours,) = _json_sweep(tiny, binary, tmp_path / "a.json", "llama-bench", "-w", "pp16", "-r", "1")
+    argv = json.loads(pd.read_csv(run / "cells.csv")["effective_settings"].iloc[0])["argv"]
+    argv[argv.index("-o") + 1] = "json"
+    done = subprocess.run([binary, *argv, "-p", "16", "-n", "0", "-r", "1"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    (theirs,) = json.loads(done.stdout)
+    assert set(ours) - {"engine", "engine_version", "ggml_compiler"} == set(theirs)
+    run_specific = {"build_commit", "build_number", "backends", "model_type", "test_time", "cpu_info", "avg_ns",
+                    "stddev_ns", "avg_ts", "stddev_ts", "samples_ns", "samples_ts"}
+    assert {k: ours[k] for k in theirs if k not in run_specific} == {k: v for k, v in theirs.items()
+                                                                      if k not in run_specific}
+    assert ours["backends"] == f"llama-bench: {theirs['backends']}"
+
+
 def test_build_command_reuses_the_cache_and_reads_the_vendored_commit(tmp_path):
     from importlib.metadata import version
     from harness.tools import _vendor_commit
     binary = tmp_path / "llama-bench" / version("llama_cpp_python") / "bin" / "llama-bench"
     binary.parent.mkdir(parents=True)
     binary.write_text("")
+    (binary.parent / "compare-llama-bench.py").write_text("")      # built with it: else it is built again
     r = moebench("tools", "build-llama-bench", env={"MOEBENCH_CACHE": str(tmp_path)})
     assert r.returncode == 0 and f"already built: {binary}" in r.stdout
     (tmp_path / "CHANGELOG.md").write_text("## [Unreleased]\n\n## [0.3.36]\n\n- feat: update llama.cpp to "

@@ -6,10 +6,11 @@ import pytest
 
 from engines.base import EngineSettings
 from engines.gguf_meta import read_meta
-from engines.llama_cpp import LlamaCppEngine, override_patterns
+from engines.llama_cpp import override_patterns
 from harness.store.results import CELL_COLUMNS, MEASUREMENT_COLUMNS, SAMPLE_COLUMNS
 from harness.run.sweep import run_sweep
 from harness.run.spec import SweepSpec
+from tests.conftest import isolated, llama_cpp_load
 
 
 def test_override_patterns_do_not_leak_across_layers():
@@ -24,10 +25,7 @@ def test_override_patterns_do_not_leak_across_layers():
 
 @pytest.mark.parametrize("depth", [0, 1, 3, 4])
 def test_depth_moves_exactly_the_first_layers_experts_to_cpu_buffers(tiny, depth):
-    e = LlamaCppEngine()
-    e.load(tiny, EngineSettings(n_cpu_moe=depth, n_ctx=64, threads=2))
-    info = e.info()
-    e.close()
+    info, _ = isolated(llama_cpp_load, tiny, EngineSettings(n_cpu_moe=depth, n_ctx=64, threads=2))
     meta = read_meta(tiny)
     expected = sorted(t.name for t in meta.tensors if t.layer is not None and t.layer < depth)
     assert sorted(info.extra["overridden_tensors"]) == expected        # parsed from llama.cpp's own log

@@ -6,7 +6,7 @@ import pytest
 
 from engines.base import EngineSettings
 from engines.gguf_meta import read_meta
-from harness.planning.plan import PlanSettings, find_runs, make_plan
+from harness.planning.plan import cpu_buffers, PlanSettings, find_runs, make_plan
 from harness.store.results import read_csv
 from tests.conftest import moebench
 
@@ -45,35 +45,47 @@ def test_plan_arithmetic_on_tiny_by_hand(tiny):
     assert r.at(4).host_bytes == 4 * EXPERTS_PER_LAYER and r.at(4).expert_accel_bytes == 0
 
 
-@pytest.fixture(scope="module")
-def mib_model(tmp_path_factory):
-    """f16, expert tensors of exactly 2 MiB each, so llama.cpp's per-tensor MiB log lines are exact."""
+@pytest.fixture(scope="module", params=["f16", "q4_k_m"])
+def mib_model(request, tmp_path_factory):
+    """Expert tensors of exactly 2 MiB each in f16, so llama.cpp's per-tensor MiB log lines are exact; and the same
+    shapes in Q4_K_M (n_embd 256: every K-quant block fits), whose dense weights go to AMX (padded) on an AMX CPU
+    and whose Q4_K experts to CPU_REPACK on any AVX2 CPU."""
     from engines.reference.archs import Hparams, Preset
     from workloads.synth import synthesize
-    return synthesize(Preset(Hparams("qwen3moe", 4, 256, 4, 2, 64, 8, 2, 512, 1024), dtype="f16"),
-                      tmp_path_factory.mktemp("m") / "mib.gguf")
+    return synthesize(Preset(Hparams("qwen3moe", 4, 256, 4, 2, 64, 8, 2, 512, 1024), dtype=request.param),
+                      tmp_path_factory.mktemp("m") / f"mib-{request.param}.gguf")
 
 
 @pytest.mark.parametrize("depth", [0, 2, 4])
 @pytest.mark.parametrize("mmap", [True, False])
-def test_plan_matches_llama_cpp_buffers(mib_model, depth, mmap):
+@pytest.mark.parametrize("repack", [True, False])
+def test_plan_matches_llama_cpp_buffers(mib_model, depth, mmap, repack):
     """CPU-only llama.cpp keeps every buffer in CPU memory, so the device split is checked through what it
-    logs: the tensors it moved to the host buffer type (names and sizes), its model, KV and compute buffers."""
+    logs: the tensors it moved to the host buffer type (names and sizes), its model buffers per buffer type (its
+    extra buffer types' copies included: AMX on an AMX CPU, CPU_REPACK), KV and compute buffers. Load only: no
+    llama_decode runs here."""
     from engines.llama_cpp import LlamaCppEngine
 
     e = LlamaCppEngine()
-    e.load(mib_model, EngineSettings(n_cpu_moe=depth, n_ctx=300, threads=2, mmap=mmap))
+    e.load(mib_model, EngineSettings(n_cpu_moe=depth, n_ctx=300, threads=2, mmap=mmap, extra={"repack": int(repack)}))
     info, log = e.info(), e._load_log
     e.close()
     meta = read_meta(mib_model)
-    d = make_plan(meta, PlanSettings(engine="llama-cpp", n_ctx=300, device="cpu")).at(depth)
-    moved = re.findall(r"tensor (blk\.\d+\.\S+) \(([\d.]+) MiB \S+\) buffer type overridden", log)
-    assert {n for n, _ in moved} == {t.name for t in meta.tensors if t.layer is not None and t.layer < depth}
-    assert sum(float(m) for _, m in moved) * 2**20 == pytest.approx(d.expert_host_bytes, rel=0.02)
+    s = PlanSettings(engine="llama-cpp", n_ctx=300, device="cpu", mmap=mmap, repack=bool(info.settings["repack"]))
+    d = make_plan(meta, s).at(depth)
+    moved = dict(re.findall(r"tensor (blk\.\d+\.\S+) \((\d+) MiB \S+\) buffer type overridden", log))
+    host = [t for t in meta.tensors if t.layer is not None and t.layer < depth]
+    assert moved == {t.name: str(t.n_bytes // 2**20) for t in host}          # llama.cpp prints whole MiB
+    assert sum(t.n_bytes for t in host) == d.expert_host_bytes
     by = info.bytes_by_device
-    model = sum(v for k, v in by.items() if k.startswith("model:"))
-    assert model == pytest.approx(d.non_expert_bytes + d.expert_accel_bytes + d.expert_host_bytes, rel=0.02)
-    assert model - d.expert_host_bytes == pytest.approx(d.non_expert_bytes + d.expert_accel_bytes, rel=0.02)
+    theirs = {k.split(":", 1)[1]: v for k, v in by.items() if k.startswith("model:")}
+    ours = cpu_buffers(meta, s)
+    assert theirs.keys() == ours.keys()
+    for k in ours:
+        assert theirs[k] == pytest.approx(ours[k], rel=0.02, abs=2**16), k
+    model = sum(theirs.values())
+    assert model == pytest.approx(d.non_expert_bytes + d.expert_accel_bytes + d.expert_host_bytes + d.cpu_copy_bytes,
+                                  rel=0.02)
     assert by["kv:CPU"] == pytest.approx(d.kv_bytes, rel=0.02)
     assert by["compute:CPU"] == pytest.approx(d.compute_bytes, rel=0.10)     # an estimate: within 10%
 

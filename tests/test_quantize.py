@@ -18,6 +18,7 @@ import pytest
 from workloads.quantize import (FTYPES, GGML_TYPES, allows_quantization, quantize, requires_imatrix, tensor_type,
                                 tensor_types)
 from workloads.synth import PRESETS, Preset, preset, synthesize, tensor_shapes, write_metadata
+from tests.conftest import for_each, isolated
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -66,6 +67,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 def _llama_quantize(src: Path, ftype: str) -> Path:
+    """src quantized by llama.cpp to ftype. Run it isolated()."""
     dst = src.with_name(f"{src.stem}-{ftype}.gguf")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FTYPES[ftype].llama_ftype
@@ -74,15 +76,21 @@ def _llama_quantize(src: Path, ftype: str) -> Path:
     return dst
 
 
+@pytest.fixture(scope="module")
+def quantized(models) -> dict[tuple[str, str], Path]:
+    """Every case's file quantized by llama.cpp, all in one child process (a child costs a second of imports)."""
+    return isolated(for_each, _llama_quantize, {(m, f): (models[m], f) for m, f in CASES})
+
+
 @pytest.mark.parametrize("model,ftype", CASES, ids=[f"{m}-{f}" for m, f in CASES])
-def test_types_and_bytes_match_llama_cpp(models, model, ftype):
+def test_types_and_bytes_match_llama_cpp(models, quantized, model, ftype):
     p = MODELS[model]
     src = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(models[model]).tensors}
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in gguf.GGUFReader(models[model]).tensors}
     h = p.h
     ours = tensor_types(ftype, shapes, h.n_layers, h.arch, n_expert=h.n_expert, n_head=h.n_head,
                         n_head_kv=h.n_head_kv)
-    out = gguf.GGUFReader(_llama_quantize(models[model], ftype))
+    out = gguf.GGUFReader(quantized[model, ftype])
     assert {t.name for t in out.tensors} == set(shapes)
     wrong_type, wrong_bytes = [], []
     for t in out.tensors:

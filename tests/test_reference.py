@@ -40,21 +40,18 @@ def run_ref(path: Path, depth: int, tokens=PROMPT, **extra) -> tuple[np.ndarray,
     return e.logits().numpy(), e
 
 
-def llama_cpp_logits(path: Path, tokens) -> np.ndarray:
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, logits_all=True, verbose=False)
-    llm.eval(tokens)
-    out = np.array(llm.scores[:len(tokens)], dtype=np.float32)
-    llm.close()
-    return out
+@pytest.fixture(scope="module")
+def llama(models) -> dict[str, np.ndarray]:
+    """llama.cpp's logits at every position of PROMPT, per architecture: one child process for all."""
+    calls = {arch: (path, PROMPT) for arch, path in models.items()}
+    return conftest.isolated(conftest.for_each, conftest.llama_cpp_logits, calls, n_ctx=256, n_threads=2)
 
 
 @pytest.mark.parametrize("arch", list(ARCH_PRESETS))
-def test_logits_match_llama_cpp_at_depth_0_and_all(models, arch):
+def test_logits_match_llama_cpp_at_depth_0_and_all(models, llama, arch):
     """Every position's logits within LOGIT_ATOL of llama.cpp's and the same top-1, at depth 0 and all.
     n_ubatch 16 < 40 tokens, so later ubatches exercise the KV cache and the offset causal mask."""
-    ref = llama_cpp_logits(models[arch], PROMPT)
+    ref = llama[arch]
     for depth in (0, H.n_layers):
         got, e = run_ref(models[arch], depth)
         assert got.shape == ref.shape == (len(PROMPT), H.n_vocab)

@@ -28,17 +28,17 @@ def models(tmp_path_factory):
     return {dt: synthesize(preset(BASE, dtype=dt), d / f"{dt}.gguf") for dt in DTYPES}
 
 
-def llama_cpp_logits(path, tokens) -> np.ndarray:
-    """llama.cpp's logits at every position, its KV cache in f32 (its default f16 cache alone moves logits
-    by ~1e-2 here)."""
-    import llama_cpp
+# llama.cpp's run: its KV cache in f32 (its default f16 cache alone moves logits by ~1e-2 here), its generic CPU
+# kernels (repack off), which the engine's follow: on an AMX CPU llama.cpp's AMX kernels take the Q8_0 dense weights
+# and round otherwise (median logit difference 0.021 on the q8_0 file, Xeon with AMX)
+LLAMA = dict(n_ctx=128, n_batch=64, n_ubatch=16, n_threads=2, type_k=0, type_v=0, repack=False)
 
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_batch=64, n_ubatch=16, n_threads=2, logits_all=True,
-                          type_k=0, type_v=0, verbose=False)
-    llm.eval(tokens)
-    out = np.array(llm.scores[:len(tokens)], dtype=np.float32)
-    llm.close()
-    return out
+
+@pytest.fixture(scope="module")
+def llama(models) -> dict[str, np.ndarray]:
+    """llama.cpp's logits at every position of PROMPT, per file type: one child process for all."""
+    calls = {dt: (p, PROMPT) for dt, p in models.items()}
+    return conftest.isolated(conftest.for_each, conftest.llama_cpp_logits, calls, **LLAMA)
 
 
 def reference(path, depth: int, tokens=PROMPT, **extra) -> tuple[np.ndarray, ReferenceEngine]:
@@ -97,7 +97,7 @@ def check_follows_llama_cpp(got: np.ndarray, ref: np.ndarray, pos0_tol: float, w
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_logits_follow_llama_cpp(models, dtype, isa, monkeypatch):
+def test_logits_follow_llama_cpp(models, llama, dtype, isa, monkeypatch):
     """Every position of a 40-token prompt (ubatches 16, 16, 8), depths 0 and all, on both kernel variants.
     Both engines quantize x identically (ggml's vec_dot_types, byte for byte), so at position 0 the logits
     agree to float rounding (POS0_TOL). Later positions read the KV cache: there a 1e-7 difference in some
@@ -106,7 +106,7 @@ def test_logits_follow_llama_cpp(models, dtype, isa, monkeypatch):
     move can tip a near-tied expert choice (measured once: 0.66 at one position). Without one the logits
     agree to ~1e-7 (measured over all 40 positions: q4_k_m, iq4_xs on avx512; q4_0, q4_k_m, q6_k on avx2)."""
     monkeypatch.setenv("MOEBENCH_ISA", isa)
-    ref = llama_cpp_logits(models[dtype], PROMPT)
+    ref = llama[dtype]
     bf16_gemm = isa == "avx512" and dtype in ("f16", "bf16")
     tol = POS0_TOL_BF16_GEMM if bf16_gemm else POS0_TOL.get(dtype, POS0_TOL_QUANT)
     for depth in (0, BASE.h.n_layers):
@@ -116,9 +116,9 @@ def test_logits_follow_llama_cpp(models, dtype, isa, monkeypatch):
 
 
 @pytest.mark.skipif("avx512" not in ISAS, reason="the f32 GEMM is already the default of the AVX2 kernels")
-def test_an_f32_compute_dtype_is_honoured_on_avx512(models):
+def test_an_f32_compute_dtype_is_honoured_on_avx512(models, llama):
     """dtype f32: the avx512 kernels' prefill GEMM runs in f32, x rounded to f16 as ggml does for F16 weights."""
-    ref = llama_cpp_logits(models["f16"], PROMPT)
+    ref = llama["f16"]
     got, e = reference(models["f16"], 0, dtype="f32")
     assert e.info().extra["compute_dtype"] == "f32"
     check_follows_llama_cpp(got, ref, POS0_TOL["f16"], "f16 dtype=f32")
@@ -149,7 +149,7 @@ def test_fallback_types_of_rows_that_are_not_whole_super_blocks(tmp_path, dtype)
     types = {t.ggml_type for t in read_meta(path).tensors}
     assert types & {"Q5_0", "Q5_1", "IQ4_NL"} and not types & {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
     prompt = [t % PRESETS["tiny"].h.n_vocab for t in PROMPT]
-    ref = llama_cpp_logits(path, prompt)
+    ref = conftest.isolated(conftest.llama_cpp_logits, path, prompt, **LLAMA)
     for isa in ISAS:
         with pytest.MonkeyPatch.context() as m:
             m.setenv("MOEBENCH_ISA", isa)

@@ -136,5 +136,7 @@ def cached_model(spec: str, seed: int = 0) -> Path:
 
 
 def resolve_model(m: str, seed: int = 0) -> Path:
-    """A -m/--model value: `preset:NAME[:DTYPE]` (synthesized once into the cache) or a file path."""
-    return cached_model(m, seed) if m.startswith("preset:") else Path(m)
+    """A -m/--model value: `preset:NAME[:DTYPE]` (synthesized once into the cache) or a file path, made absolute
+    against the user's directory (so is a relative MOEBENCH_CACHE): cells run in workers whose cwd is the project
+    root, or on Ray nodes."""
+    return (cached_model(m, seed) if m.startswith("preset:") else Path(m).expanduser()).absolute()

@@ -293,13 +293,13 @@ def emit(result: dict, fmt: str, output: str | None, title: str, head: str) -> N
 
     sections = [(title, _display(result["cells"])), ("geometric mean per engine and workload", result["summary"]),
                 ("unmatched cells (not compared)", result["unmatched"])]
-    if fmt == "json":
+    if fmt in ("json", "jsonl"):
         clean = lambda v: None if isinstance(v, float) and v != v else v      # NaN is not JSON
         payload = {k: [{f: clean(v) for f, v in r.items()} for r in rows] for k, rows in result.items()}
-        render([], "json", out=output, json_payload=payload | {"headline": head})
-    elif fmt == "csv":
+        render([], fmt, out=output, json_payload=payload | {"headline": head})
+    elif fmt in ("csv", "sql"):          # sql: render's one sentence (llama-bench's table is the sweep's)
         render(result["cells"] + [{"verdict": f"only in {u['only in']}", **u} for u in result["unmatched"]],
-               "csv", out=output)
+               fmt, out=output)
     elif fmt == "md":
         text = f"**moebench compare**: {head}\n\n" + "".join(f"### {t}\n\n{markdown(rows)}\n" for t, rows in sections
                                                              if rows or t == title)

@@ -42,7 +42,7 @@ class Report:
     def print_tables(self, fmt: str) -> None:
         from harness.analysis.published import display
         from harness.analysis.tables import render
-        if fmt in ("csv", "json"):
+        if fmt in ("csv", "json", "jsonl"):
             render(self.layout, fmt)
             return
         for title, rows in self.tables:
@@ -121,12 +121,33 @@ def _settings(cell, meas) -> dict:
     out["expert_host_fraction"] = f"{float(cell['expert_host_fraction']):.3f}"
     out["workloads"] = ", ".join(dict.fromkeys(m["workload"])) if not m.empty else ""
     out["decode context depth"] = ", ".join(map(str, tg))
+    out |= {f"{k} (effective)": v for k, v in _flat(_effective(cell)).items()}
+    return {k: str(v) for k, v in out.items()}
+
+
+def _effective(cell) -> dict:
+    """The engine's own account of its settings (cells.csv effective_settings), {} where unreadable."""
     try:
         eff = json.loads(cell["effective_settings"]) if isinstance(cell["effective_settings"], str) else {}
     except json.JSONDecodeError:
         eff = {}
-    out |= {f"{k} (effective)": v for k, v in _flat(eff).items()}
-    return {k: str(v) for k, v in out.items()}
+    return eff if isinstance(eff, dict) else {}
+
+
+def kernel_path_rows(cells) -> list[dict]:
+    """llama.cpp cells in which --n-cpu-moe kept experts in the plain CPU buffer that its extra buffer types would
+    have taken (effective experts_unrepacked_bytes): its expert kernels then change with the depth (repacked at
+    depth 0, generic at depth N), a difference beside the one being measured."""
+    rows = []
+    for _, c in cells.sort_values("n_cpu_moe").iterrows():
+        eff = _effective(c)
+        plain = int(eff.get("experts_unrepacked_bytes") or 0)
+        if plain:
+            rows.append({"engine": c["engine"], "n_cpu_moe": int(c["n_cpu_moe"]),
+                         "experts in the plain CPU buffer MiB": plain / 2**20,
+                         "extra buffer types MiB": ", ".join(f"{k} {v / 2**20:,.1f}"
+                                                             for k, v in (eff.get("extra_bufts") or {}).items())})
+    return rows
 
 
 def fairness_rows(cells, meas, a: str, b: str, depths: list[int]) -> list[dict]:
@@ -211,6 +232,9 @@ def write_report(run_dirs: list[Path], out_dir: Path, engine_a: str | None = Non
     table = lambda rows, t, **f: rep.blocks.append(("table", P(t, f), rows))
     H(1, "moebench report: {runs}", runs=", ".join(r["run_id"] for r in runs))
     table(_runs_rows(runs), "Runs and hosts")
+    for r in runs:          # what an engine did differently on that host than asked (Engine.notes)
+        for note in r.get("notes") or []:
+            para("Note ({run}): {note}", run=r["run_id"], note=note)
     if not any(r.get("host", {}).get("gpus") for r in runs):
         para("No GPU: VRAM not measured (the VRAM columns say so instead of showing zeros).")
     names = cells.groupby("model_name")["model_fingerprint"].nunique()
@@ -236,6 +260,12 @@ def write_report(run_dirs: list[Path], out_dir: Path, engine_a: str | None = Non
             para("Fairness: no compared setting differed between {a} and {b} ({s}, workloads, decode context "
                  "depth, effective settings).", a=a, b=b, s=", ".join(SETTINGS))
         rep.tables.append((f"{model}: fairness ({a} vs {b})", fair or [{"note": "no compared setting differed"}]))
+        paths = kernel_path_rows(mcells)
+        if paths:
+            table(paths, "Fairness: llama.cpp's expert kernels change with the depth. --n-cpu-moe kept these experts "
+                  "in the plain CPU buffer, which its extra buffer type (CPU_REPACK) takes at depth 0: repacked "
+                  "kernels there, generic ones at these depths.")
+            rep.tables.append((f"{model}: llama.cpp kernel path by depth", paths))
         table(published.display(_summary_rows(ms)), "All cells (tok/s over the repetitions)")
         rounds = rounds_rows(mcells, meas)
         if rounds:

@@ -1,4 +1,5 @@
-"""Render tables for people (rich) and machines (md, csv, json). One place for every command's output."""
+"""Render tables for people (rich) and machines (md, csv, json, jsonl, sql). One place for every command's output,
+llama-bench's formats included (json, jsonl, sql: what `llama-bench -o FORMAT` prints, for the sweep's records)."""
 from __future__ import annotations
 
 import json
@@ -8,9 +9,10 @@ import re
 import sys
 from pathlib import Path
 
+from engines.errors import UserError
 from engines.gguf_meta import clean_text
 
-FORMATS = ("table", "md", "csv", "json")
+FORMATS = ("table", "md", "csv", "json", "jsonl", "sql")
 CELL_LIMIT = 4096       # characters of one rendered cell: a table is for reading (the result files keep it all)
 
 
@@ -44,15 +46,48 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _sql_value(v) -> str:
+    """One value of an SQL statement: text quoted with its quotes doubled and without control characters (paths and
+    model names come from the user and from GGUF files: untrusted), numbers as they are, nothing as NULL."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "NULL"
+    if isinstance(v, bool):
+        return str(int(v))
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return "'" + clean_text(v, None).replace("'", "''") + "'"
+
+
+def llama_bench_sql(records) -> str:
+    """llama-bench's `-o sql`, to pipe into sqlite3: CREATE TABLE IF NOT EXISTS llama_bench (its fields), then one
+    INSERT per record. Only llama-bench records have that table (the sweep's)."""
+    from harness.store.results import LLAMA_BENCH_FIELDS
+
+    if not isinstance(records, list) or any(LLAMA_BENCH_FIELDS.keys() - r.keys() for r in records):
+        raise UserError("--format sql writes llama-bench's table, which only `moebench sweep` has; "
+                        "use jsonl, json or csv here.")
+    types = {str: "TEXT", bool: "INTEGER", int: "INTEGER", float: "REAL"}
+    columns = ",\n".join(f"  {f} {types[kind]}" for f, kind in LLAMA_BENCH_FIELDS.items())
+    insert = f"INSERT INTO llama_bench ({', '.join(LLAMA_BENCH_FIELDS)}) VALUES"
+    inserts = "".join(f"{insert} ({', '.join(_sql_value(r[f]) for f in LLAMA_BENCH_FIELDS)});\n" for r in records)
+    return f"CREATE TABLE IF NOT EXISTS llama_bench (\n{columns}\n);\n\n{inserts}"
+
+
 def render(rows: list[dict], fmt: str = "table", title: str = "", out: str | Path | None = None,
            json_payload=None) -> None:
-    """Print rows in fmt to stdout, or write them to `out`. json_payload replaces rows for json.
+    """Print rows in fmt to stdout, or write them to `out`. json_payload replaces rows for json and jsonl (a list: one
+    item a line) and is what sql writes (llama-bench's records only).
     Every cell and the title lose their control characters, whatever the format (defence in depth: the
     strings of model files are cleaned where they are read, older result files may not be)."""
     rows = [{k: _clean(v) for k, v in r.items()} for r in rows]
     title = clean_text(title, None)
     if fmt == "json":
         text = json.dumps(rows if json_payload is None else json_payload, indent=2, default=str) + "\n"
+    elif fmt == "jsonl":
+        payload = rows if json_payload is None else json_payload
+        text = "".join(json.dumps(r, default=str) + "\n" for r in (payload if isinstance(payload, list) else [payload]))
+    elif fmt == "sql":
+        text = llama_bench_sql(json_payload)
     elif fmt == "csv":
         import pandas as pd
         text = pd.DataFrame(rows).to_csv(index=False)

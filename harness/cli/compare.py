@@ -37,7 +37,7 @@ def compare(base, cand, threshold, alpha, metric, ignore, fail_on_regression, re
         click.echo(f"note: {note}", err=True)
     head = headline(result, alpha, t, metric)
     emit(result, fmt, output, f"{cand} vs {base}", head)
-    if fmt in ("json", "csv") or output:
+    if fmt in ("json", "jsonl", "csv") or output:
         click.echo(head, err=True)
     insufficient = [r for r in result["cells"] if r["verdict"] == "insufficient data" and r["n_base"] and r["n_cand"]]
     if insufficient:

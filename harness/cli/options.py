@@ -10,8 +10,9 @@ from engines.errors import UserError
 from engines.gguf_meta import clean_text
 from harness.analysis.tables import FORMATS
 
-FORMAT = click.option("--format", "fmt", type=click.Choice(FORMATS), default=FORMATS[0],
-                      show_default=True, help="Output format (json = llama-bench field names for sweeps).")
+FORMAT = click.option("--format", "fmt", type=click.Choice(FORMATS), default=FORMATS[0], show_default=True,
+                      help="Output format. For a sweep, json, jsonl and sql are llama-bench's `-o` output "
+                           "(sql: its table, to pipe into sqlite3; sweeps only).")
 OUTPUT = click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the output to FILE.")
 RESULTS_DIR = click.option("--results-dir", type=click.Path(file_okay=False), default="results", show_default=True)
 

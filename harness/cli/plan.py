@@ -37,6 +37,6 @@ def plan(model, n_ctx, engine, n_ubatch, n_batch, flash_attn, device, runs, resu
     p = make_plan(meta, s, [] if no_calibrate else [Path(r) for r in runs] or find_runs(Path(results_dir)))
     render(p.rows(), fmt, title=f"memory plan: {meta.name}, {engine}, ctx {n_ctx} (KV {p.bytes.kv_dtype}, "
            f"{p.n_kv_cells} cells)", out=output, json_payload=p.to_dict())
-    if fmt != "json":
+    if fmt not in ("json", "jsonl"):
         click.echo(p.calibration.describe() if p.calibration else
                    "uncalibrated: compute buffers are an estimate; run a sweep of this model to calibrate.", err=True)

@@ -17,7 +17,7 @@ def published(model, revision, fmt) -> None:
     from harness.analysis.tables import render
 
     groups = tables(select(load(), model, revision))
-    if fmt in ("csv", "json"):       # one machine-readable document, raw numbers
+    if fmt in ("csv", "json", "jsonl"):       # one machine-readable document, raw numbers
         render([r for _, rows in groups for r in rows], fmt)
         return
     for title, rows in groups:

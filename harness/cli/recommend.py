@@ -53,7 +53,7 @@ def recommend(model, vram, ram, n_ctx, objective, runs, margin, engine, n_ubatch
     title = (f"{meta.name}, {engine}, ctx {n_ctx}: VRAM {vram_b / GiB:.2f} GiB ({vram_src}), "
              f"RAM {ram_b / GiB:.2f} GiB ({ram_src}), margin {margin_b / GiB:.2f} GiB")
     render(table(rec), fmt, title=title, out=output, json_payload=to_json(rec))
-    if fmt != "json":
+    if fmt not in ("json", "jsonl"):
         for note in rec.notes + ([plan.calibration.describe()] if plan.calibration else []):
             click.echo(f"note: {note}", err=True)
         click.echo(rec.rationale)

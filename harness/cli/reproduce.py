@@ -1,6 +1,7 @@
 """`moebench reproduce`: run the sweep behind one published table, then report it against the published numbers."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -33,6 +34,7 @@ def reproduce(published_model, model_file, revision, engines, workloads, repetit
     from harness.analysis.tables import render
     from harness.run.checks import read_checked
     from harness.run.spec import SweepSpec
+    from workloads.synth import resolve_model
 
     df = select(load(), model=published_model, revision=revision)
     engines_ = split_list(engines)
@@ -49,8 +51,8 @@ def reproduce(published_model, model_file, revision, engines, workloads, repetit
     reps = repetitions or max(reps_published.values())
     wls = split_list(workloads) if workloads else workload_order(df["workload"])
     spec_kw = {"threads": threads} if threads else {}
-    spec = SweepSpec(models=[str(model_file)], engines=engines_, depths=[str(d) for d in depths], workloads=wls,
-                     repetitions=reps, **spec_kw)
+    spec = SweepSpec(models=[str(resolve_model(model_file))], engines=engines_, depths=[str(d) for d in depths],
+                     workloads=wls, repetitions=reps, **spec_kw)      # a model file by its absolute path (run.json)
     layers = int(df["moe_layers"].iloc[0])
     plan = [
         {"item": "published table", "value": f"{df['model'].iloc[0]} | {df['doc_revision'].iloc[0]}"},
@@ -72,10 +74,14 @@ def reproduce(published_model, model_file, revision, engines, workloads, repetit
     if dry_run:
         return
     from harness.analysis.report import write_report
+    from harness.cli.sweep import every_cell_failed
     from harness.run.progress import sweep_with_progress
 
     run_dir, _ = sweep_with_progress(spec, Path(results_dir), None)
     rep = write_report([run_dir], Path(reports_dir) / run_dir.name, engine_a=engines_[0], baseline=engines_[1],
                        against=published_model, revision=revision)
     rep.print_tables(fmt)
+    none_ok = every_cell_failed(run_dir)
     click.echo(f"results: {run_dir}\nreport: {rep.out_dir / 'report.html'}", err=True)
+    if none_ok:
+        sys.exit(1)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from engines.errors import UserError
 from harness.cli.options import FORMAT, OUTPUT, split_list, user_errors
 from harness.run.spec import ROUND_ORDERS
 
@@ -35,6 +36,12 @@ from harness.run.spec import ROUND_ORDERS
                    "build-llama-bench`, PATH).")
 @click.option("--tensorsharp", type=click.Path(dir_okay=False), default=None,
               help="tensorsharp: the TensorSharp.Cli binary (default: $MOEBENCH_TENSORSHARP, PATH).")
+@click.option("--repack", default=None, metavar="0,1",
+              help="llama.cpp (llama-cpp, llama-bench): its extra CPU buffer types, AMX and repacked weights "
+                   "(llama-bench's --repack); a list runs a cell per value (default 1).")
+@click.option("--no-host", "no_host", default=None, metavar="0,1",
+              help="llama.cpp: bypass the host buffer type so extra buffer types can be used (llama-bench's "
+                   "--no-host); a list runs a cell per value (default 0).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Token ids and synthesized weights.")
 @click.option("--results-dir", type=click.Path(file_okay=False), default="results", show_default=True)
 @click.option("--resume", type=click.Path(file_okay=False), default=None, help="Continue results/<run_id>.")
@@ -59,32 +66,57 @@ from harness.run.spec import ROUND_ORDERS
 @OUTPUT
 @user_errors
 def sweep(models, engines, depths, cpu_moe, workloads, repetitions, threads, n_ctx, n_batch, n_ubatch, flash_attn,
-          timeout, sample_ms, cpu_moe_threads, moe_stream_min_batch, llama_bench, tensorsharp, seed, results_dir,
+          timeout, sample_ms, cpu_moe_threads, moe_stream_min_batch, llama_bench, tensorsharp, repack, no_host, seed,
+          results_dir,
           resume, strict, interleave, rounds, round_order, ray_address, per_node, ray_nodes, fmt, output):
     """Run every engine x model x depth cell, each in its own process, and write tidy results."""
     from harness.run.progress import sweep_with_progress
     from harness.run.spec import SweepSpec
+    from workloads.synth import resolve_model
 
     extra = {k: v for k, v in {"cpu_moe_threads": cpu_moe_threads, "moe_stream_min_batch": moe_stream_min_batch}.items()
              if v is not None}
     for key, path in (("llama_bench", llama_bench), ("tensorsharp", tensorsharp)):
+        env = f"MOEBENCH_{key.upper()}"
         if path:   # kept in the spec; exported so the engines' availability check sees it too
-            extra[key] = os.environ[f"MOEBENCH_{key.upper()}"] = str(Path(path).expanduser().absolute())
-    spec = SweepSpec(models=split_list(models), engines=split_list(engines),
+            extra[key] = os.environ[env] = str(Path(path).expanduser().absolute())
+        elif os.environ.get(env, "").strip():   # the cells' workers run in the project root, not here
+            os.environ[env] = str(Path(os.environ[env].strip()).expanduser().absolute())
+    # run.json keeps the spec: a model file by its absolute path, so --resume finds it from any directory
+    models = [m if m.startswith("preset:") else str(resolve_model(m)) for m in split_list(models)]
+    spec = SweepSpec(models=models, engines=split_list(engines),
                      depths=["all"] if cpu_moe else split_list(depths), workloads=split_list(workloads),
                      repetitions=repetitions, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, flash_attn=flash_attn,
                      timeout_s=timeout, sample_ms=sample_ms, seed=seed, extra=extra, ray=ray_address,
                      per_node=per_node, ray_nodes=split_list(ray_nodes), rounds=rounds, round_order=round_order,
+                     knobs={k: split_list(v) for k, v in (("repack", repack), ("no_host", no_host)) if v},
                      **({"threads": threads} if threads else {}))
     if interleave:
         from harness.run.interleave import run_interleaved
+        if any(len(v) > 1 for v in spec.knobs.values()):
+            raise UserError("--interleave takes exactly two engine specs; write the knobs into them (e.g. "
+                            "-e llama-cpp@repack=0,llama-cpp@repack=1) instead of listing --repack/--no-host values.")
         run_dir, failed = run_interleaved(spec, Path(results_dir), Path(resume) if resume else None)
     else:
         run_dir, failed = sweep_with_progress(spec, Path(results_dir), Path(resume) if resume else None)
     show_run(run_dir, fmt, output)
+    none_ok = every_cell_failed(run_dir)
     click.echo(f"results: {run_dir}", err=True)
-    if strict and failed:
+    if none_ok or (strict and failed):
         sys.exit(1)
+
+
+def every_cell_failed(run_dir: Path) -> bool:
+    """Say so in one line on stderr when no cell of the run finished ok: a sweep that measured nothing is no
+    success, --strict or not (its rows are written by now)."""
+    from harness.store import results
+
+    cells = results.read_csv(run_dir, "cells.csv")
+    if cells and not any(c["status"] == "ok" for c in cells):
+        click.echo(f"error: every cell of this sweep failed ({len(cells)} cells); see each cell's error in "
+                   f"{run_dir / 'cells.csv'}", err=True)
+        return True
+    return False
 
 
 def show_run(run_dir: Path, fmt: str = "table", output: str | None = None) -> None:
@@ -117,6 +149,8 @@ def show_run(run_dir: Path, fmt: str = "table", output: str | None = None) -> No
                        err=True)
         if r["status"] != "ok":
             click.echo(f"warning: {r['engine']} n_cpu_moe={r['n_cpu_moe']} {r['status']}: {r['error']}", err=True)
+    for note in run.get("notes") or []:
+        click.echo(f"note: {note}", err=True)
     render(rows, fmt, title=f"moebench {run['run_id']}", out=output,
            json_payload=results.llama_bench_records(run, cells, meas))
     if many_rounds:

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from engines import ggml_build
 from engines.errors import UserError
 from engines.gguf_meta import ModelMeta
 from engines.reference import placement
@@ -35,6 +36,8 @@ class PlanSettings:
     flash_attn: str = "auto"     # on | off | auto (auto: llama.cpp enables it on CPU and CUDA)
     device: str = "cuda"         # the accelerator planned for; the reference engine picks its dtype from it
     dtype: str = "auto"          # reference engine compute dtype; auto = the engine's own rule
+    mmap: bool = True            # llama.cpp on a CPU: the file's pages mapped (else loaded into its CPU buffer)
+    repack: bool = True          # llama.cpp on a CPU: its extra buffer types (AMX, CPU_REPACK) for this CPU
 
 
 @dataclass(frozen=True)
@@ -161,11 +164,13 @@ class DepthPlan:
     staging_bytes: int = 0
     overhead_bytes: int = 0     # calibrated: measured peak minus everything above
     input_host_bytes: int = 0   # llama.cpp on CUDA keeps the token embedding (a row lookup) in host RAM
+    cpu_copy_bytes: int = 0     # llama.cpp on a CPU: what its extra buffer types (AMX with its padding, CPU_REPACK)
+                                # hold beyond the file's bytes (copies of weights whose file pages stay mapped)
 
     @property
     def accel_bytes(self) -> int:
         return (self.non_expert_bytes + self.expert_accel_bytes + self.kv_bytes + self.compute_bytes
-                + self.staging_bytes + self.overhead_bytes)
+                + self.staging_bytes + self.overhead_bytes + self.cpu_copy_bytes)
 
     @property
     def host_bytes(self) -> int:
@@ -208,6 +213,7 @@ class Plan:
         return [{"n_cpu_moe": d.n_cpu_moe, "accel MiB": d.accel_bytes / MIB, "non-expert MiB": d.non_expert_bytes / MIB,
                  "experts accel MiB": d.expert_accel_bytes / MIB, "KV MiB": d.kv_bytes / MIB,
                  "compute MiB": (d.compute_bytes + d.staging_bytes + d.overhead_bytes) / MIB,
+                 "CPU copies MiB": d.cpu_copy_bytes / MIB,
                  "host MiB": d.host_bytes / MIB, "expert host %": 100 * d.expert_host_fraction}
                 for d in self.depths]
 
@@ -220,14 +226,44 @@ class Plan:
                                          "host_bytes": d.host_bytes} for d in self.depths]}
 
 
-def _depth(mb: ModelBytes, s: PlanSettings, n: int, compute: int, overhead: int = 0) -> DepthPlan:
+def cpu_buffers(meta: ModelMeta, s: PlanSettings) -> dict[str, int]:
+    """llama.cpp on a CPU host: its model buffers by type, as its load log reports them, at any depth (experts
+    --n-cpu-moe overrides to the CPU get its extra buffer types too). Weights its extra buffer types take
+    (engines.ggml_build.extra_buft: AMX padded, CPU_REPACK as stored) are copied there; with mmap the rest stays
+    in the mapped file range from the first to the last byte of the weights left in it (a moved weight inside
+    that range is held twice), without mmap in one CPU buffer of their bytes."""
+    bufts = ggml_build.cpu_bufts() if s.repack else {}
+    out: dict[str, int] = {}
+    plain = []
+    for t in meta.tensors:
+        where = ggml_build.extra_buft(t.name, t.ne, t.ggml_type, bufts)
+        if where:
+            out[where[0]] = out.get(where[0], 0) + t.n_bytes + where[1]
+        else:
+            plain.append(t)
+    if plain:
+        key = "CPU_Mapped" if s.mmap else "CPU"
+        out[key] = (max(t.offset + t.n_bytes for t in plain) - min(t.offset for t in plain) if s.mmap
+                    else sum(t.n_bytes for t in plain))
+    return out
+
+
+def _copies(meta: ModelMeta, s: PlanSettings) -> int:
+    """cpu_buffers beyond the file's weight bytes (0 where llama.cpp uses no extra buffer types: on CUDA builds it
+    holds CPU weights in host buffers)."""
+    if s.engine != "llama-cpp" or s.device.startswith("cuda"):
+        return 0
+    return sum(cpu_buffers(meta, s).values()) - sum(t.n_bytes for t in meta.tensors)
+
+
+def _depth(mb: ModelBytes, s: PlanSettings, n: int, compute: int, overhead: int = 0, copies: int = 0) -> DepthPlan:
     llama_cuda = s.engine == "llama-cpp" and s.device.startswith("cuda")
     embed = mb.embed if llama_cuda else 0       # llama.cpp's input layer lives on the CPU (llama-model.cpp)
     if llama_cuda and n and min(s.n_ubatch, s.n_batch) >= 32:
         # op offload: a batch of >= 32 tokens copies an offloaded layer's experts into the GPU compute buffer
         compute += max(mb.expert_by_layer[:n])
     return DepthPlan(n, mb.non_expert - embed, mb.experts(n), mb.experts(0, n), kv_cells(s) * mb.kv_per_cell + mb.state,
-                     compute, staging_bytes(mb, s, n), overhead, embed)
+                     compute, staging_bytes(mb, s, n), overhead, embed, copies)
 
 
 def _cell_settings(s: PlanSettings, c: dict) -> PlanSettings:
@@ -236,6 +272,8 @@ def _cell_settings(s: PlanSettings, c: dict) -> PlanSettings:
                   flash_attn=c.get("flash_attn") or s.flash_attn)
     if s.engine == "reference":   # the dtype/device the engine really used
         out = replace(out, device=str(eff.get("device", s.device)), dtype=str(eff.get("dtype", s.dtype)))
+    else:                         # llama.cpp's extra buffer types as it ran (older cells: on)
+        out = replace(out, mmap=str(c.get("mmap", "True")) != "False", repack=bool(int(eff.get("repack", 1))))
     return out
 
 
@@ -260,7 +298,7 @@ def calibrate(meta: ModelMeta, s: PlanSettings, runs: list[Path]) -> Calibration
             cs = _cell_settings(s, c)
             mb = model_bytes(meta, cs)
             est = compute_estimate(meta, cs)
-            d = _depth(mb, cs, int(c["n_cpu_moe"]), est)
+            d = _depth(mb, cs, int(c["n_cpu_moe"]), est, copies=_copies(meta, cs))
             vram, rss = _num(c.get("peak_vram_mib")), _num(c.get("peak_rss_mib"))
             gpu = not math.isnan(vram)
             by_dev = json.loads(c.get("bytes_by_device") or "{}")
@@ -271,7 +309,7 @@ def calibrate(meta: ModelMeta, s: PlanSettings, runs: list[Path]) -> Calibration
             peak = vram if gpu else rss
             if math.isnan(peak):
                 continue
-            predicted = d.non_expert_bytes + d.expert_accel_bytes + d.kv_bytes + d.staging_bytes
+            predicted = d.non_expert_bytes + d.expert_accel_bytes + d.kv_bytes + d.staging_bytes + d.cpu_copy_bytes
             predicted += 0 if gpu else d.expert_host_bytes
             peak_name = "peak_vram_mib" if gpu else "peak_rss_mib"
             residuals.append((peak * MIB - predicted, est))
@@ -296,5 +334,6 @@ def make_plan(meta: ModelMeta, s: PlanSettings, runs: list[Path] | None = None) 
     cal = calibrate(meta, s, runs or [])
     compute = int(est * (cal.compute_scale or 1.0)) if cal else est
     overhead = cal.overhead_bytes if cal else 0
-    depths = [_depth(mb, s, n, compute, overhead) for n in range(meta.n_layers + 1)]
+    copies = _copies(meta, s)
+    depths = [_depth(mb, s, n, compute, overhead, copies) for n in range(meta.n_layers + 1)]
     return Plan(meta, s, mb, kv_cells(s), est, depths, cal)

@@ -154,7 +154,9 @@ def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str,
     elif proc.returncode == -signal.SIGKILL:
         status, error = "oom", "killed by SIGKILL (most likely the kernel's out-of-memory killer)"
     elif proc.returncode < 0:
-        status, error = "failed", f"crashed with {signal.Signals(-proc.returncode).name}"
+        sig = signal.Signals(-proc.returncode).name
+        cause = engine_class(cell.engine).crash_cause(sig, cell.settings, loaded.get("info", {}))
+        status, error = "failed", f"crashed with {sig}" + (f": {cause}" if cause else "")
     else:
         status, error = "failed", f"worker exited with code {proc.returncode} without a result"
     if status != "ok":
@@ -248,11 +250,20 @@ def _hardware_profile() -> dict | None:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def engine_notes(engines: list[str]) -> list[str]:
+    """What the sweep's engines will do differently on this host than asked (Engine.notes), each said once here on
+    stderr and kept in run.json["notes"] for the summary and the report."""
+    notes = [n for e in dict.fromkeys(engines) for n in engine_class(e.split("@")[0]).notes()]
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
+    return notes
+
+
 def write_run_json(run_dir: Path, spec: SweepSpec, **more) -> None:
     """run.json: the spec, host fingerprint, argv and hardware profile (plus `more`), before any cell runs."""
     run = {"schema_version": results.SCHEMA_VERSION, "run_id": run_dir.name, "spec": spec.to_dict(),
            "started": datetime.now(timezone.utc).isoformat(), "host": host.fingerprint(),
-           "argv": sys.argv, "hardware_profile": _hardware_profile()} | more
+           "argv": sys.argv, "hardware_profile": _hardware_profile(), "notes": engine_notes(spec.engines)} | more
     (run_dir / "run.json").write_text(json.dumps(run, indent=2, default=str))
 
 

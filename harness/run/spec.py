@@ -32,6 +32,8 @@ class SweepSpec:
     sample_ms: float = 50                   # 0 turns the memory sampler off
     seed: int = 0
     extra: dict = field(default_factory=dict)   # engine-specific knobs, e.g. cpu_moe_threads
+    knobs: dict = field(default_factory=dict)   # engine knobs crossed as lists, e.g. {"repack": ["0", "1"]}: every
+                                                # engine that takes a knob (Engine.knobs) runs a cell per value
     ray: str | None = None                  # Ray address (auto | ray://host:port): cells run on the cluster
     per_node: bool = False                  # with ray: every node runs every cell
     ray_nodes: list[str] = field(default_factory=list)   # with ray: only these nodes (hostname, IP, node-id prefix)
@@ -70,10 +72,11 @@ class Cell:
     settings: EngineSettings
     arm: str = ""       # --interleave: "A" | "B"
     node: str = ""      # --ray --per-node: the node it is pinned to
+    variant: str = ""   # the crossed knobs of more than one value: "repack=0@no_host=1"
 
     @property
     def key(self) -> CellKey:
-        return CellKey(self.engine, self.meta.fingerprint, self.settings.n_cpu_moe, self.arm, self.node)
+        return CellKey(self.engine, self.meta.fingerprint, self.settings.n_cpu_moe, self.arm, self.node, self.variant)
 
     @property
     def cell_id(self) -> str:
@@ -97,8 +100,16 @@ def expand(spec: SweepSpec) -> list[Cell]:
     if not spec.models:
         raise UserError("No model given; pass -m FILE.gguf or -m preset:tiny.")
     workloads = parse_workloads(",".join(spec.workloads))
-    for e in spec.engines:
-        check_available(e)
+    classes = {e: check_available(e) for e in spec.engines}
+    for knob, values in spec.knobs.items():
+        takes = [c for c in classes.values() if knob in c.knobs]
+        if not takes:
+            raise UserError(f"None of the engines in -e ({', '.join(spec.engines)}) takes --{knob.replace('_', '-')}; "
+                            f"drop it or add an engine that does (llama.cpp's knobs: -e llama-cpp or llama-bench).")
+        for v in values:
+            if str(v) not in takes[0].knobs[knob]:
+                raise UserError(f"--{knob.replace('_', '-')} {v!r} is not valid; use "
+                                f"{', '.join(takes[0].knobs[knob])}.")
     n_ctx = spec.n_ctx or max(w.n_ctx_needed for w in workloads)
     if n_ctx < max(w.n_ctx_needed for w in workloads):
         raise UserError(f"--n-ctx {n_ctx} is smaller than the largest workload needs "
@@ -110,9 +121,22 @@ def expand(spec: SweepSpec) -> list[Cell]:
         for d in spec.depths:
             depths.setdefault(parse_depth(d, meta.n_layers), d)
         for engine in spec.engines:
-            for n, label in depths.items():
-                s = EngineSettings(n_cpu_moe=n, n_ctx=n_ctx, n_batch=spec.n_batch, n_ubatch=spec.n_ubatch,
-                                   threads=spec.threads, flash_attn=spec.flash_attn, seed=spec.seed,
-                                   extra=dict(spec.extra))
-                cells.append(Cell(engine, meta.path, meta, label, s))
+            for knobs, variant in crossings(spec.knobs, classes[engine].knobs):
+                for n, label in depths.items():
+                    s = EngineSettings(n_cpu_moe=n, n_ctx=n_ctx, n_batch=spec.n_batch, n_ubatch=spec.n_ubatch,
+                                       threads=spec.threads, flash_attn=spec.flash_attn, seed=spec.seed,
+                                       extra=dict(spec.extra) | knobs)
+                    cells.append(Cell(engine, meta.path, meta, label, s, variant=variant))
     return cells
+
+
+def crossings(knobs: dict[str, list], takes) -> list[tuple[dict, str]]:
+    """Every combination of the knob values an engine takes -> (its extra settings, its variant label: the knobs
+    of more than one value as `k=v@k2=v2`, so one-value knobs keep the plain engine name and cell id)."""
+    mine = {k: [str(v) for v in vs] for k, vs in knobs.items() if k in takes}
+    out: list[tuple[dict, list[str]]] = [({}, [])]
+    for k, vs in mine.items():
+        shown = [f"{k}={v}" for v in vs] if len(vs) > 1 else [""] * len(vs)
+        out = [(extra | {k: int(v) if v.isdigit() else v}, label + [shown[i]] * bool(shown[i]))
+               for extra, label in out for i, v in enumerate(vs)]
+    return [(extra, "@".join(label)) for extra, label in out]

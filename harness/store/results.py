@@ -9,10 +9,12 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from engines.base import switch
 from engines.gguf_meta import clean_text
 from harness.stats import stats
 
@@ -53,26 +55,31 @@ class CellKey:
     n_cpu_moe: int
     arm: str = ""            # "A" | "B" in an interleaved run
     node: str = ""           # --ray --per-node: the node that ran it
+    variant: str = ""        # the engine knobs a sweep crossed, e.g. "repack=0" or "repack=0@no_host=1"
 
     @property
     def cell_id(self) -> str:
-        """`[A/]engine/<fingerprint>/ncmoeN[@node]`: unique within a run, stable across --resume."""
-        core = f"{self.engine}/{self.model_fingerprint}/ncmoe{self.n_cpu_moe}"
+        """`[A/]engine[@variant]/<fingerprint>/ncmoeN[@node]`: unique within a run, stable across --resume."""
+        engine = self.engine + (f"@{self.variant}" if self.variant else "")
+        core = f"{engine}/{self.model_fingerprint}/ncmoe{self.n_cpu_moe}"
         return (f"{self.arm}/" if self.arm else "") + core + (f"@{self.node}" if self.node else "")
 
     @classmethod
     def of(cls, row: Mapping) -> "CellKey":
-        """The key of a cells.csv row (a dict or a pandas row). Arm and node come from the cell id, which
+        """The key of a cells.csv row (a dict or a pandas row). Arm, variant and node come from the cell id, which
         every version of the files wrote the same way (the `node` column holds Ray's node id instead)."""
         cell_id = str(row.get("cell_id", ""))
         arm = cell_id[0] if cell_id[:2] in ("A/", "B/") else ""
-        node = cell_id.rpartition("@")[2] if "@" in cell_id else ""
-        return cls(str(row["engine"]), str(row["model_fingerprint"]), int(row["n_cpu_moe"]), arm, node)
+        parts = cell_id.removeprefix(f"{arm}/").split("/")
+        variant = parts[0].partition("@")[2] if parts[0] else ""
+        node = parts[-1].partition("@")[2] if len(parts) > 1 else ""
+        return cls(str(row["engine"]), str(row["model_fingerprint"]), int(row["n_cpu_moe"]), arm, node, variant)
 
     def label(self, run: Mapping | None = None) -> str:
-        """How tables name the engine of this cell: the engine, or an interleaved arm as `A:<its engine spec>`."""
+        """How tables name the engine of this cell: the engine (with the knobs a sweep crossed, as an engine spec:
+        `llama-cpp@repack=0`), or an interleaved arm as `A:<its engine spec>`."""
         if not self.arm:
-            return self.engine
+            return self.engine + (f"@{self.variant}" if self.variant else "")
         spec = ((run or {}).get("interleave") or {}).get(self.arm, self.engine)
         return f"{self.arm}:{spec}"
 
@@ -213,24 +220,133 @@ def summarize(cells, measurements):
     return pd.DataFrame(rows)
 
 
+# llama-bench's fields in its order (test::get_fields() in tools/llama-bench/llama-bench.cpp of the llama.cpp that
+# llama-cpp-python 0.3.36 vendors) and their kinds (get_field_type: str TEXT, bool and int INTEGER, float REAL)
+LLAMA_BENCH_FIELDS = {
+    "build_commit": str, "build_number": int, "cpu_info": str, "gpu_info": str, "backends": str,
+    "model_filename": str, "model_type": str, "model_size": int, "model_n_params": int, "n_batch": int,
+    "n_ubatch": int, "n_threads": int, "cpu_mask": str, "cpu_strict": bool, "poll": int, "type_k": str,
+    "type_v": str, "n_gpu_layers": int, "n_cpu_moe": int, "split_mode": str, "main_gpu": int, "no_kv_offload": bool,
+    "flash_attn": int, "devices": str, "tensor_split": str, "tensor_buft_overrides": str, "load_mode": str,
+    "lazy_mode": str, "embeddings": bool, "no_op_offload": int, "no_host": bool, "repack": bool, "fit_target": int,
+    "fit_min_ctx": int, "n_prompt": int, "n_gen": int, "n_depth": int, "test_time": str, "avg_ns": int,
+    "stddev_ns": int, "avg_ts": float, "stddev_ts": float,
+}
+# What llama-bench reports when not told otherwise, which is also what the llama-cpp engine runs with (llama.cpp's
+# default model/context parameters and ggml's default threadpool: poll 50, no CPU mask). --n-cpu-moe leaves
+# tensor_buft_overrides "none" as llama-bench's -ncmoe does (it adds its patterns inside, not to that field).
+LLAMA_CPP_DEFAULTS = {
+    "cpu_mask": "0x0", "cpu_strict": False, "poll": 50, "type_k": "f16", "type_v": "f16", "split_mode": "layer",
+    "main_gpu": 0, "no_kv_offload": False, "devices": "auto", "tensor_split": "0.00", "tensor_buft_overrides": "none",
+    "lazy_mode": "auto", "embeddings": False, "no_op_offload": 0, "no_host": False, "repack": True, "fit_target": 0,
+    "fit_min_ctx": 0,
+}
+# An engine that is not llama.cpp: what is true of it in these fields' terms (no CPU mask or strict placement, no
+# tensor overrides but n_cpu_moe's, no KV offload switch, no repacking, no fitting), "n/a" where a text field names a
+# llama.cpp mechanism it has not or a setting we do not know, and poll -1: it has no ggml threadpool to poll at
+# llama-bench's levels (still a number, so tools that read it as one still do)
+NOT_LLAMA_CPP = {
+    "cpu_mask": "0x0", "cpu_strict": False, "poll": -1, "type_k": "n/a", "type_v": "n/a", "split_mode": "n/a",
+    "main_gpu": 0, "no_kv_offload": False, "tensor_split": "n/a", "tensor_buft_overrides": "none", "lazy_mode": "n/a",
+    "embeddings": False, "no_op_offload": 0, "no_host": False, "repack": False, "fit_target": 0, "fit_min_ctx": 0,
+}
+LLAMA_CPP_ENGINES = ("llama-cpp", "llama-bench")
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}        # llama-bench's flash_attn: llama_flash_attn_type
+
+
+def _json(v) -> dict:
+    return json.loads(v) if isinstance(v, str) and v else {}
+
+
+def _ggml_backends(system_info: str) -> str:
+    """llama-bench's `backends` from llama.cpp's system info ("CUDA : ARCHS = 890 | ... | CPU : SSE3 = 1 | ..."):
+    the backends other than the CPU, or "CPU" when there are none (test::get_backend)."""
+    names = [n for n in re.findall(r"(?:^|\| )(\w+) : ", system_info) if n != "CPU"]
+    return ",".join(names) or "CPU"
+
+
+def _model_numbers(path: str, fingerprint: str) -> tuple[int | None, int | None]:
+    """llama-bench's model_size and model_n_params (bytes and values of every tensor) from the file's header when
+    the file is still there as measured (same fingerprint); else unknown (None)."""
+    from engines.errors import UserError
+    from engines.gguf_meta import read_meta
+    try:
+        meta = read_meta(path)
+    except UserError:
+        return None, None
+    if meta.fingerprint != fingerprint:
+        return None, None
+    return sum(t.n_bytes for t in meta.tensors), sum(math.prod(t.ne) for t in meta.tensors)
+
+
+def llama_bench_settings(run: dict, c) -> dict:
+    """One cell's llama-bench fields other than the test's and its timings: what the cell really ran with, in
+    llama-bench's terms (cells from load_frames)."""
+    eff, extra = _json(c["effective_settings"]), _json(c["extra"])
+    host = (run.get("nodes") or {}).get(c.get("node")) or run.get("host") or {}     # --ray: the node's own
+    llama_cpp = c["engine"] in LLAMA_CPP_ENGINES or "system_info" in eff or "backends" in eff   # or a plugin build
+    load_mode = eff.get("load_mode") or ("mmap" if switch(eff.get("mmap", c["mmap"])) else "none")
+    if llama_cpp:
+        s = {k: eff.get(k, v) for k, v in LLAMA_CPP_DEFAULTS.items()}     # llama-bench's own, or as asked
+        s |= {"repack": switch(eff.get("repack", extra.get("repack", True))),
+              "no_host": switch(eff.get("no_host", extra.get("no_host", False))),
+              "no_op_offload": int(eff.get("no_op_offload", not switch(eff.get("op_offload", True)))),
+              "n_gpu_layers": eff.get("n_gpu_layers", -1), "load_mode": load_mode,
+              "flash_attn": eff["flash_attn"] if isinstance(eff.get("flash_attn"), int)
+              else FLASH_ATTN.get(c["flash_attn"], -1)}
+        backends = eff.get("backends") or _ggml_backends(eff.get("system_info", ""))
+    else:
+        device = str(eff.get("device", c["device"]))
+        s = dict(NOT_LLAMA_CPP) | {
+            "devices": device, "load_mode": load_mode,
+            "n_gpu_layers": -1,     # llama.cpp's "all layers": every layer on its device but the experts of the
+                                    # first n_cpu_moe layers, as these engines place them
+            "flash_attn": -1}       # auto: the engine's own attention (the reference engine: torch's SDPA)
+        if c["engine"] == "reference":      # its KV cache: f16 on a CPU (extra cache_type), the compute dtype on CUDA
+            kv = eff.get("dtype") if device.startswith("cuda") else extra.get("cache_type", "f16")
+            s |= {"type_k": kv, "type_v": kv}
+        backends = device.upper()
+    # The script compares runs by build_commit and matches tests on every other setting, so the engine (as the
+    # tables name it, with its crossed knobs or arm) goes into backends: two engines of one run stay two rows.
+    return s | {"backends": f"{c['label']}: {backends}", "cpu_info": host.get("cpu", ""),
+                "gpu_info": ", ".join(g.get("name", "") for g in host.get("gpus") or []),
+                "model_filename": c["model"], "model_type": f"{c['arch']} {c['model_name']}",
+                "n_batch": c["n_batch"], "n_ubatch": c["n_ubatch"], "n_threads": c["threads"],
+                "n_cpu_moe": c["n_cpu_moe"]}
+
+
 def llama_bench_records(run: dict, cells, measurements) -> list[dict]:
-    """The measurements in llama-bench's JSON field names, one record per cell x workload."""
+    """The measurements as llama-bench's `-o json` records, one per cell x workload: every field of llama-bench's
+    (LLAMA_BENCH_FIELDS, in its order and kinds), then samples_ns and samples_ts, then ours (engine,
+    engine_version, ggml_compiler where known), which llama.cpp's compare-llama-bench.py ignores.
+    build_commit is the run id: that script compares builds, and here a run is what is compared
+    (`compare-llama-bench.py -i a.json -i b.json -b RUN_A -c RUN_B`); the engines' versions are in engine_version."""
+    from datetime import datetime
+
+    started = run.get("started")
+    test_time = datetime.fromisoformat(started).strftime("%Y-%m-%dT%H:%M:%SZ") if started else ""
+    models: dict[tuple, tuple] = {}
     out = []
     for _, c in cells.iterrows():
         m = measurements[measurements["cell_id"] == c["cell_id"]]
-        for wl, g in m.groupby("workload", sort=False):
+        if m.empty:
+            continue
+        key = (c["model"], c["model_fingerprint"])
+        if key not in models:
+            models[key] = _model_numbers(*key)
+        base = llama_bench_settings(run, c) | {"build_commit": run.get("run_id", ""), "build_number": 0,  # unknown
+                                               "model_size": models[key][0], "model_n_params": models[key][1],
+                                               "test_time": test_time}
+        eff = _json(c["effective_settings"])
+        for _, g in m.groupby("workload", sort=False):
             ns, ts = g["ns"].astype(int).tolist(), g["tokens_per_s"].astype(float).tolist()
             sn, st = stats(ns), stats(ts)
             first = g.iloc[0]
-            out.append({
-                "build_commit": "", "build_number": 0, "engine": c["engine"], "engine_version": c["engine_version"],
-                "cpu_info": run.get("host", {}).get("cpu", ""), "gpu_info": run.get("host", {}).get("gpu_name", ""),
-                "model_filename": c["model"], "model_type": c["arch"], "n_batch": int(c["n_batch"]),
-                "n_ubatch": int(c["n_ubatch"]), "n_threads": int(c["threads"]), "n_cpu_moe": int(c["n_cpu_moe"]),
-                "flash_attn": c["flash_attn"], "n_prompt": int(first["n_prompt"]), "n_gen": int(first["n_gen"]),
-                "n_depth": int(first["n_depth"]), "test_time": run.get("started", ""),
-                "avg_ns": int(sn["mean"]), "stddev_ns": 0 if math.isnan(sn["std"]) else int(sn["std"]),
-                "avg_ts": st["mean"], "stddev_ts": 0.0 if math.isnan(st["std"]) else st["std"],
-                "samples_ns": ns, "samples_ts": ts,
-            })
+            values = base | {"n_prompt": first["n_prompt"], "n_gen": first["n_gen"], "n_depth": first["n_depth"],
+                             "avg_ns": sn["mean"], "stddev_ns": 0 if math.isnan(sn["std"]) else sn["std"],
+                             "avg_ts": st["mean"], "stddev_ts": 0.0 if math.isnan(st["std"]) else st["std"]}
+            record = {f: None if values[f] is None else kind(values[f]) for f, kind in LLAMA_BENCH_FIELDS.items()}
+            out.append(record | {"samples_ns": ns, "samples_ts": ts, "engine": c["engine"],
+                                 "engine_version": c["engine_version"],
+                                 **({"ggml_compiler": eff["ggml_compiler"]} if eff.get("ggml_compiler") else {})})
     return out
