@@ -173,3 +173,23 @@ def test_plan_of_a_full_size_model_from_its_sparse_header(tmp_path, preset, laye
     assert [p.at(n).expert_host_bytes for n in (0, 1, layers)] == [0, per_layer, layers * per_layer]
     js = json.loads(moebench("plan", "-m", out, "--no-calibrate", "--format", "json").stdout)
     assert js["depths"][layers]["host_bytes"] >= layers * per_layer
+
+
+@pytest.mark.parametrize("model", ["gemma4-tiny:q8_0", "qwen35moe-tiny:q4_k_m", "gpt-oss-tiny:mxfp4"])
+def test_llama_cpp_cpu_buffers_per_architecture(model):
+    """llama.cpp's model buffers by type against cpu_buffers on other architectures and types (gemma4 ties its
+    output to token_embd, which the extra buffer types then copy a second time; qwen35moe's multi-token-prediction
+    block is not loaded at all; MXFP4 experts repack)."""
+    from engines.llama_cpp import LlamaCppEngine
+    from workloads.synth import resolve_model
+
+    path = resolve_model(f"preset:{model}")
+    e = LlamaCppEngine()
+    e.load(path, EngineSettings(n_cpu_moe=1, n_ctx=256, threads=2))
+    info = e.info()
+    e.close()
+    theirs = {k.split(":", 1)[1]: v for k, v in info.bytes_by_device.items() if k.startswith("model:")}
+    ours = cpu_buffers(read_meta(path), PlanSettings(device="cpu", repack=bool(info.settings["repack"])))
+    assert theirs.keys() == ours.keys()
+    for k in ours:
+        assert theirs[k] == pytest.approx(ours[k], rel=0.01, abs=2**16), k

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -165,7 +166,8 @@ class DepthPlan:
     overhead_bytes: int = 0     # calibrated: measured peak minus everything above
     input_host_bytes: int = 0   # llama.cpp on CUDA keeps the token embedding (a row lookup) in host RAM
     cpu_copy_bytes: int = 0     # llama.cpp on a CPU: what its extra buffer types (AMX with its padding, CPU_REPACK)
-                                # hold beyond the file's bytes (copies of weights whose file pages stay mapped)
+                                # hold beyond the file's bytes (copies of weights whose file pages stay mapped),
+                                # less the blocks it does not load (multi-token prediction)
 
     @property
     def accel_bytes(self) -> int:
@@ -235,12 +237,23 @@ def cpu_buffers(meta: ModelMeta, s: PlanSettings) -> dict[str, int]:
     bufts = ggml_build.cpu_bufts() if s.repack else {}
     out: dict[str, int] = {}
     plain = []
-    for t in meta.tensors:
+    # the last nextn_predict_layers blocks are multi-token-prediction blocks, which llama.cpp does not load
+    # ("model has unused tensor ... -- ignoring"): in no buffer at all
+    first_mtp = meta.n_layers - int(meta.get("nextn_predict_layers") or 0)
+    block = lambda name: int(name.split(".")[1]) if re.match(r"blk\.\d+\.", name) else -1
+    for t in (t for t in meta.tensors if block(t.name) < first_mtp):
         where = ggml_build.extra_buft(t.name, t.ne, t.ggml_type, bufts)
         if where:
             out[where[0]] = out.get(where[0], 0) + t.n_bytes + where[1]
         else:
             plain.append(t)
+    # a file without output.weight (tied embeddings): llama.cpp's output layer reads token_embd by MUL_MAT, a second
+    # use of the same weight that its extra buffer types copy for themselves (gemma4's Q6_K token_embd in AMX)
+    embd = next((t for t in meta.tensors if t.name == "token_embd.weight"), None)
+    if embd and not any(t.name == "output.weight" for t in meta.tensors):
+        where = ggml_build.extra_buft("output.weight", embd.ne, embd.ggml_type, bufts)
+        if where:
+            out[where[0]] = out.get(where[0], 0) + embd.n_bytes + where[1]
     if plain:
         key = "CPU_Mapped" if s.mmap else "CPU"
         out[key] = (max(t.offset + t.n_bytes for t in plain) - min(t.offset for t in plain) if s.mmap
