@@ -105,6 +105,11 @@ class LlamaBenchEngine(ExternalEngine):
                 f"`moebench tools build-llama-bench --force` rebuilds it with clang.")
 
     @classmethod
+    def repack_on(cls, extra: dict, binary: Path | None) -> bool:
+        """--repack as this binary runs it: as asked (default 1), off where amx_fallback applies."""
+        return switch(extra.get("repack", True)) and not cls.amx_fallback(binary)
+
+    @classmethod
     def notes(cls) -> list[str]:
         why = cls.amx_fallback(cls.find())
         return [why] if why else []
@@ -112,9 +117,8 @@ class LlamaBenchEngine(ExternalEngine):
     @classmethod
     def crash_cause(cls, signal_name: str, settings: EngineSettings, info: dict) -> str:
         binary = cls.find(settings.extra.get(cls.extra_key))
-        repack = switch(settings.extra.get("repack", True)) and not cls.amx_fallback(binary)
         return ggml_build.crash_cause(signal_name, ggml_build.compiler_of(binary) if binary else "", "AMX_INT8 = 1",
-                                      repack)
+                                      cls.repack_on(settings.extra, binary))
 
     @classmethod
     def discovered(cls) -> list[Path]:
@@ -175,7 +179,7 @@ class LlamaBenchEngine(ExternalEngine):
             flags += ["-lm", "mmap" if s.mmap else "none"]
         elif has("-mmp", "--mmap"):
             flags += ["-mmp", int(s.mmap)]
-        self.repack = switch(s.extra.get("repack", True)) and not self.amx_fallback(self.binary)
+        self.repack = self.repack_on(s.extra, self.binary)
         self.no_host = switch(s.extra.get("no_host", False))
         # passed when asked (or forced off), so an older llama-bench without the flags still runs its defaults
         for flag, on, asked in (("--repack", self.repack, "repack" in s.extra or not self.repack),

@@ -51,6 +51,8 @@ def installed_ok(version: str) -> bool:
     if lib is None:
         return True
     compiler = ggml_build.compiler_of(lib)
+    if not (ggml_build.amx_host() and ggml_build.miscompiles_amx(compiler)):
+        return True
     # its system info names the features compiled in (AMX_INT8 = 1); asked in a child: importing loads the library
     ask = "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
     info = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True).stdout

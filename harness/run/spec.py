@@ -136,7 +136,6 @@ def crossings(knobs: dict[str, list], takes) -> list[tuple[dict, str]]:
     mine = {k: [str(v) for v in vs] for k, vs in knobs.items() if k in takes}
     out: list[tuple[dict, list[str]]] = [({}, [])]
     for k, vs in mine.items():
-        shown = [f"{k}={v}" for v in vs] if len(vs) > 1 else [""] * len(vs)
-        out = [(extra | {k: int(v) if v.isdigit() else v}, label + [shown[i]] * bool(shown[i]))
-               for extra, label in out for i, v in enumerate(vs)]
+        out = [(extra | {k: int(v) if v.isdigit() else v}, label + ([f"{k}={v}"] if len(vs) > 1 else []))
+               for extra, label in out for v in vs]
     return [(extra, "@".join(label)) for extra, label in out]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Mapping
 
 from engines.base import switch
+from engines.llama_cpp import FLASH_ATTN      # llama-bench's flash_attn field: llama_flash_attn_type
 from engines.gguf_meta import clean_text
 from harness.stats import stats
 
@@ -251,7 +252,6 @@ NOT_LLAMA_CPP = {
     "embeddings": False, "no_op_offload": 0, "no_host": False, "repack": False, "fit_target": 0, "fit_min_ctx": 0,
 }
 LLAMA_CPP_ENGINES = ("llama-cpp", "llama-bench")
-FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}        # llama-bench's flash_attn: llama_flash_attn_type
 
 
 def _json(v) -> dict:
