@@ -11,7 +11,10 @@ ISA variant, next to the machine's read bandwidth and llama.cpp's own CPU kernel
   1-thread matvec. --ggml-lib DIR takes libggml-base.so/libggml-cpu.so from DIR instead, e.g. an
   AVX2-only build for the avx2 variant (cmake ggml/ -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON
   -DGGML_F16C=ON -DGGML_AVX512=OFF -DBUILD_SHARED_LIBS=ON; make ggml-cpu).
-- moe_decode: GB/s of the expert bytes one token reads, on Qwen3-30B-A3B and gpt-oss-20b shapes.
+- moe_decode: GB/s of the expert bytes one token reads, on Qwen3-30B-A3B and gpt-oss-20b shapes; moe_prefill:
+  GFLOP/s of --prefill-tokens tokens (512: ~32 rows an expert at k 8 of 128). Each in every weight layout of
+  --layouts the type has (ggml: as stored; x8: Q4_K/Q6_K with 8 rows interleaved, kernels.host_layout),
+  interleaved with the file layout in every repetition.
 - matmul: GFLOP/s for n = 16, 64, 512 activation rows against ATen's f32 GEMM (and bf16 where the
   CPU has avx512_bf16) on the same shape as a float tensor.
 - --engine f16,q8_0,q4_k_m,mxfp4: instead of the tables above, the whole reference engine on
@@ -24,7 +27,7 @@ are the median (and best) over repetitions. On a 2-core machine, measure only wh
 
     .venv/bin/python benchmarks/kernels.py [--types Q4_K,Q6_K] [--isa avx2,avx512] [--threads 1,2]
         [--reps 7] [--shape 4096x4096] [--matmul-types Q4_K,Q8_0,MXFP4,BF16] [--no-matmul] [--no-moe]
-        [--no-ggml] [--ggml-lib DIR]
+        [--no-ggml] [--ggml-lib DIR] [--no-matvec] [--prefill-tokens 512] [--layouts ggml,x8]
     .venv/bin/python benchmarks/kernels.py --engine f16,q8_0,q4_k_m,mxfp4 [--isa avx2,avx512] [--reps 5]
 """
 from __future__ import annotations
@@ -205,9 +208,28 @@ def bench_matmul(args, qks: dict, gg: Ggml):
         print(f"n={n:4d}  " + "  ".join(f"{k}: {med_best(v).strip()}" for k, v in flops.items()), flush=True)
 
 
-# routed-expert decode shapes: (name, gate/up type, down type, D, ff, E, k, act)
+# routed-expert shapes: (name, gate/up type, down type, D, ff, E, k, act)
 MOE = [("qwen3-30b-a3b", "Q4_K", "Q6_K", 2048, 768, 128, 8, "silu"),
+       ("qwen3-30b-a3b", "Q4_K", "Q4_K", 2048, 768, 128, 8, "silu"),
        ("gpt-oss-20b", "MXFP4", "MXFP4", 2880, 2880, 32, 4, "swiglu_oai")]
+
+
+def moe_stacks(gg: "Ggml", qks: dict, gt: str, dt: str, D: int, ff: int, E: int, rng) -> dict:
+    """layout -> (gate_up (E, 2 ff, D), down (E, D, ff)) of E distinct copies of one random expert (no expert
+    stays cached), in each layout --layouts asks for that the type has (kernels.host_layout)."""
+    one_gu = gg.quantize(gt, rng.standard_normal((2 * ff, D)).astype(np.float32))
+    one_dn = gg.quantize(dt, rng.standard_normal((D, ff)).astype(np.float32))
+    gu = QTensor(one_gu.repeat(E), gt, (E, 2 * ff, D))
+    dn = QTensor(one_dn.repeat(E), dt, (E, D, ff))
+    qk = next(iter(qks.values()))
+    out = {"ggml": (gu, dn)}
+    for lay in LAYOUTS_ASKED:
+        if lay != "ggml" and lay in (kernels.host_layout(gu), kernels.host_layout(dn)):
+            out[lay] = tuple(qk.repack(m, kernels.host_layout(m)) for m in (gu, dn))
+    return out
+
+
+LAYOUTS_ASKED: list[str] = ["ggml", "x8"]
 
 
 def bench_moe(args, qks: dict, gg: Ggml):
@@ -217,24 +239,48 @@ def bench_moe(args, qks: dict, gg: Ggml):
           f"{args.reps}")
     rng = np.random.default_rng(2)
     for name, gt, dt, D, ff, E, k, act in MOE:
-        one_gu = gg.quantize(gt, rng.standard_normal((2 * ff, D)).astype(np.float32))
-        one_dn = gg.quantize(dt, rng.standard_normal((D, ff)).astype(np.float32))
-        gu = QTensor(one_gu.repeat(E), gt, (E, 2 * ff, D))        # E distinct copies: no expert stays cached
-        dn = QTensor(one_dn.repeat(E), dt, (E, D, ff))
+        stacks = moe_stacks(gg, qks, gt, dt, D, ff, E, rng)
         x = torch.randn(D) / D ** 0.5
         w = torch.full((k,), 1 / k)
-        token_bytes = k * (one_gu.numel() + one_dn.numel())
+        gu, dn = stacks["ggml"]
+        token_bytes = k * (gu.matrix_bytes + dn.matrix_bytes)        # as the file stores them
         for th in args.threads:
             torch.set_num_threads(th)
-            gbps: dict[str, list[float]] = {isa: [] for isa in qks}
+            gbps: dict[str, list[float]] = {f"{isa} {lay}": [] for isa in qks for lay in stacks}
             for _ in range(args.reps):
                 for isa, qk in qks.items():
-                    ids = [torch.from_numpy(rng.choice(E, k, replace=False)) for _ in range(16)]
-                    t0 = time.perf_counter()
-                    for i in ids:
-                        qk.moe_decode(x, i, w, gu, None, dn, act)
-                    gbps[isa].append(token_bytes * len(ids) / (time.perf_counter() - t0) / 1e9)
-            print(f"{name:14s} {gt}/{dt} {th}T  " + "  ".join(f"{isa} {med_best(v)}" for isa, v in gbps.items()),
+                    for lay, (gu, dn) in stacks.items():
+                        ids = [torch.from_numpy(rng.choice(E, k, replace=False)) for _ in range(16)]
+                        t0 = time.perf_counter()
+                        for i in ids:
+                            qk.moe_decode(x, i, w, gu, None, dn, act)
+                        gbps[f"{isa} {lay}"].append(token_bytes * len(ids) / (time.perf_counter() - t0) / 1e9)
+            print(f"{name:14s} {gt}/{dt} {th}T  " + "  ".join(f"{c} {med_best(v)}" for c, v in gbps.items()),
+                  flush=True)
+
+
+def bench_moe_prefill(args, qks: dict, gg: Ggml):
+    """moe_prefill of --prefill-tokens tokens, each routed to k distinct experts drawn at random (512
+    tokens, k 8 of 128: ~32 rows an expert): GFLOP/s of the expert products (2 x 3 D ff per token and slot)."""
+    n = args.prefill_tokens
+    print(f"\nmoe_prefill ({n} tokens, k experts each drawn at random): GFLOP/s, median (best) of {args.reps}")
+    rng = np.random.default_rng(3)
+    for name, gt, dt, D, ff, E, k, act in MOE:
+        stacks = moe_stacks(gg, qks, gt, dt, D, ff, E, rng)
+        x = torch.randn(n, D) / D ** 0.5
+        w = torch.full((n, k), 1 / k)
+        flop = 2 * 3 * D * ff * k * n
+        for th in args.threads:
+            torch.set_num_threads(th)
+            gf: dict[str, list[float]] = {f"{isa} {lay}": [] for isa in qks for lay in stacks}
+            for _ in range(args.reps):
+                ids = torch.from_numpy(np.argsort(rng.random((n, E)), axis=1)[:, :k].copy())
+                for isa, qk in qks.items():
+                    for lay, (gu, dn) in stacks.items():
+                        t0 = time.perf_counter()
+                        qk.moe_prefill(x, ids, w, gu, None, dn, act)
+                        gf[f"{isa} {lay}"].append(flop / (time.perf_counter() - t0) / 1e9)
+            print(f"{name:14s} {gt}/{dt} {th}T  " + "  ".join(f"{c} {med_best(v)}" for c, v in gf.items()),
                   flush=True)
 
 
@@ -303,6 +349,9 @@ def main():
     p.add_argument("--matmul-types", default="Q4_K,Q8_0,MXFP4,BF16")
     p.add_argument("--no-matmul", action="store_true")
     p.add_argument("--no-moe", action="store_true")
+    p.add_argument("--no-matvec", action="store_true")
+    p.add_argument("--prefill-tokens", type=int, default=512, help="tokens of the moe_prefill table (0: none)")
+    p.add_argument("--layouts", default="ggml,x8", help="weight layouts of the moe tables (qtensor.LAYOUTS)")
     p.add_argument("--no-ggml", action="store_true", help="skip llama.cpp's vec_dot column")
     p.add_argument("--ggml-lib", type=Path, help="directory of the libggml-base.so and libggml-cpu.so to compare with")
     p.add_argument("--engine", help="file types: the engine comparison on preset:small instead of the kernel tables")
@@ -336,9 +385,13 @@ def main():
     read = {th: statistics.median(read_gbps(th, args.reps)) for th in {*args.threads, 1}}
     print("read bandwidth (torch sum over 256 MiB f32, as moebench probe): "
           + ", ".join(f"{th} thread{'s' * (th > 1)} {v:.1f} GB/s" for th, v in read.items()))
-    bench_matvec(args, qks, gg, read)
+    LAYOUTS_ASKED[:] = args.layouts.split(",")
+    if not args.no_matvec:
+        bench_matvec(args, qks, gg, read)
     if not args.no_moe:
         bench_moe(args, qks, gg)
+        if args.prefill_tokens:
+            bench_moe_prefill(args, qks, gg)
     if not args.no_matmul:
         bench_matmul(args, qks, gg)
 

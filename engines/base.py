@@ -54,11 +54,18 @@ class EngineInfo:
         return asdict(self) | {"expert_host_fraction": self.expert_host_fraction}
 
 
+ANY_WHOLE_NUMBER = ("N",)       # Engine.knobs: the knob takes any whole number >= 0 (e.g. cache_mib)
+
+
 class Engine(ABC):
     """One inference engine behind the harness. Heavy imports belong inside the methods."""
     name: str = ""
     # engine settings (in settings.extra) a sweep may cross as lists -> the values each takes, e.g. repack: 0, 1
+    # (ANY_WHOLE_NUMBER: any whole number)
     knobs: Mapping[str, tuple[str, ...]] = {}
+    # records routing traces (engines.routing) when settings.extra["trace_routing"] names a file; the harness
+    # then tells it each workload's first run through trace_segment
+    routing_traces: bool = False
 
     @classmethod
     def notes(cls) -> list[str]:
@@ -110,6 +117,12 @@ class Engine(ABC):
         duration in ns of each timed repetition. None (the default) = the worker times
         reset/prefill/decode itself, which is the rule for every in-process engine."""
         return None
+
+    def trace_segment(self, name: str | None, tokens: Sequence[int] = (), stream: str = "random") -> None:
+        """Optional (engines with routing_traces): the runs from now on belong to workload `name`, whose token
+        stream (depth tokens, then the timed ones) is `tokens`, of kind `stream` (random | correlated); None: the
+        segment ends (the trace is written). The worker opens one before each workload's first run and closes it
+        after that run. Default: nothing."""
 
     def counters(self) -> dict[str, float]:
         """Engine-internal timing of the work since the last reset(), as a cross-check (optional)."""

@@ -1,4 +1,5 @@
-"""Memory sizes as people type them: 16GiB, 16GB, 512MiB, 1.5G (binary), or plain bytes."""
+"""Quantities as people type them: memory sizes (16GiB, 16GB, 512MiB, 1.5G (binary), or plain bytes) and
+relative amounts (5% or 0.05)."""
 from __future__ import annotations
 
 import re
@@ -22,3 +23,15 @@ def parse_size(text: str | int | float, option: str = "size") -> int:
         raise UserError(f"{option} {text!r} is not a size; write it like 16GiB, 16GB, 512MiB or a number of bytes.")
     return int(float(m.group(1)) * _UNITS[unit])
 
+
+
+def parse_fraction(text: str, option: str) -> float:
+    """'5%' or '0.05' -> 0.05, in [0, 1); raise UserError naming the option on anything else."""
+    t = str(text).strip()
+    try:
+        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 1:
+        raise UserError(f"{option} {text!r} is not a relative amount; write it as 5% or 0.05.")
+    return value

@@ -15,7 +15,8 @@ from engines.base import EngineInfo, EngineSettings
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS = ",".join(f"{n}=tests.fault_engines:{c}" for n, c in
                   [("crash", "CrashEngine"), ("hang", "HangEngine"), ("hog", "HogEngine"), ("stamp", "StampEngine"),
-                   ("unavailable", "Unavailable"), ("amx-crash", "AmxCrashEngine")])
+                   ("unavailable", "Unavailable"), ("amx-crash", "AmxCrashEngine"),
+                   ("paced", "PacedEngine"), ("paced2", "PacedEngine"), ("jitter", "JitterEngine")])
 
 
 @pytest.fixture(scope="session")

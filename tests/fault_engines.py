@@ -67,6 +67,28 @@ class StampEngine(_Base):
             f.write(f"{self.s.extra.get('label', '-')} {start} {time.time_ns()} {os.getpid()}\n")
 
 
+class PacedEngine(_Base):
+    """Takes a fixed time per prefill (MOEBENCH_PACE_MS, default 20) times a factor drawn once per process from
+    N(1, spread): a machine whose processes differ by `spread` and whose repetitions do not."""
+    name = "paced"
+    spread = 0.002
+
+    def load(self, model, s):
+        super().load(model, s)
+        import random
+        spread = self.spread if s.n_cpu_moe else PacedEngine.spread
+        self.pace = float(os.environ.get("MOEBENCH_PACE_MS", 20)) / 1e3 * random.gauss(1, spread)
+
+    def fault(self):
+        time.sleep(self.pace)
+
+
+class JitterEngine(PacedEngine):
+    """PacedEngine whose processes differ by 20 % at depths above 0."""
+    name = "jitter"
+    spread = 0.2
+
+
 class HogEngine(_Base):
     """Allocates without bound under a 1 GiB address-space limit: MemoryError -> status oom."""
     name = "hog"

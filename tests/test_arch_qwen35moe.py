@@ -16,7 +16,7 @@ from engines.base import EngineSettings
 from engines.errors import UserError
 from engines.reference.archs import ARCHS
 from engines.reference.engine import ReferenceEngine
-from engines.reference.qwen35moe import delta_chunked, delta_step
+from engines.reference.models.qwen35moe import delta_chunked, delta_step
 from workloads.synth import PRESETS, preset, synthesize, write_metadata
 from tests import conftest
 

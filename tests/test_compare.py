@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from harness.store import history, results
 from harness.cli import cli
-from harness.analysis.compare import compare_samples, min_p_value, reps_needed
+from harness.analysis.compare import compare_samples
 from tests.conftest import moebench
 
 FP = "f00dfeedf00dfeed"
@@ -62,17 +62,22 @@ def run_cli(*args):
 
 # --- statistics on synthetic samples with known distributions -----------------------------------------
 
+def one(values) -> dict:
+    """Samples of one process (the repetitions are the units)."""
+    return {"run/1": list(values)}
+
+
 def test_detection_rates_10pct_slowdown_and_identical():
     """10 reps, 3% noise, 200 seeded trials: a 10% slowdown is flagged >= 95%, no change <= 2%."""
     rng = np.random.default_rng(20260101)
     trials, n, noise = 200, 10, 0.03
     slow = same = 0
     for _ in range(trials):
-        base = 100 * (1 + noise * rng.standard_normal(n))
-        slow += compare_samples(base, 90 * (1 + noise * rng.standard_normal(n))).verdict == "regression"
-        same += compare_samples(base, 100 * (1 + noise * rng.standard_normal(n))).verdict != "no change"
+        base = one(100 * (1 + noise * rng.standard_normal(n)))
+        slow += compare_samples(base, one(90 * (1 + noise * rng.standard_normal(n)))).verdict == "regression"
+        same += compare_samples(base, one(100 * (1 + noise * rng.standard_normal(n)))).verdict != "no change"
     print(f"\n10% slowdown flagged in {slow}/{trials} = {slow / trials:.1%}; "
-          f"identical distributions flagged in {same}/{trials} = {same / trials:.1%} (alpha 0.01, threshold 5%)")
+          f"identical distributions flagged in {same}/{trials} = {same / trials:.1%} (95% interval, threshold 5%)")
     assert slow / trials >= 0.95
     assert same / trials <= 0.02
 
@@ -80,30 +85,43 @@ def test_detection_rates_10pct_slowdown_and_identical():
 def test_small_real_change_is_not_a_regression():
     """Significant but below the threshold (asv rule): 2% slower with tiny noise is 'no change'."""
     rng = np.random.default_rng(3)
-    r = compare_samples(100 * (1 + 0.002 * rng.standard_normal(20)), 98 * (1 + 0.002 * rng.standard_normal(20)))
-    assert r.p_value < 1e-4 and r.verdict == "no change"
+    r = compare_samples(one(100 * (1 + 0.002 * rng.standard_normal(20))),
+                        one(98 * (1 + 0.002 * rng.standard_normal(20))))
+    assert r.ci_high < 0.99 and r.verdict == "no change"
 
 
 def test_time_metric_direction():
     """--metric ns: lower is better, so more time is the regression and less time the improvement."""
     rng = np.random.default_rng(5)
     base = 1e6 * (1 + 0.01 * rng.standard_normal(10))
-    assert compare_samples(base, base * 1.2, higher_is_better=False).verdict == "regression"
-    assert compare_samples(base, base * 0.8, higher_is_better=False).verdict == "improvement"
-    assert compare_samples(base, base * 1.2, higher_is_better=True).verdict == "improvement"
+    assert compare_samples(one(base), one(base * 1.2), higher_is_better=False).verdict == "regression"
+    assert compare_samples(one(base), one(base * 0.8), higher_is_better=False).verdict == "improvement"
+    assert compare_samples(one(base), one(base * 1.2), higher_is_better=True).verdict == "improvement"
 
 
-def test_too_few_repetitions_is_insufficient_data():
-    # 3 vs 3 can never reach p < 0.01 (the exact minimum is 2/C(6,3) = 0.1): say so instead of 'no change'
-    assert min_p_value(3, 3) == pytest.approx(0.1)
-    assert reps_needed(0.01) == 5 and min_p_value(5, 5) < 0.01 <= min_p_value(4, 4)
-    r = compare_samples([100, 101, 99], [50, 51, 49])
-    assert r.verdict == "insufficient data" and "-r 5" in r.note and r.ratio == pytest.approx(0.5)
-    assert compare_samples(noisy(100, 5), noisy(50, 5, 1)).verdict == "regression"
+def test_too_few_samples_is_insufficient_data():
+    """One sample a side gives no interval: said, not 'no change'; two a side do (a wide one)."""
+    r = compare_samples(one([100]), one([50]))
+    assert r.verdict == "insufficient data" and "-r 2" in r.note and r.ratio == pytest.approx(0.5)
+    r = compare_samples(one([100, 101]), one([50, 51]))
+    assert r.verdict == "regression" and r.over == "2 repetitions" and r.ci_low < r.ratio < r.ci_high
 
 
-def test_bootstrap_ci_is_seeded_and_covers_the_ratio():
-    a, b = compare_samples(noisy(100), noisy(80, seed=1)), compare_samples(noisy(100), noisy(80, seed=1))
+def test_rounds_are_the_units_and_pair_within_a_run():
+    """Three rounds a side: the rounds are resampled, not the repetitions; paired when the rounds ran together,
+    so drift that hit both arms in one round cancels (the unpaired interval of the same numbers is wider)."""
+    drift = {"1": 1.0, "2": 0.8, "3": 1.1}
+    base = {k: [100 * d, 101 * d] for k, d in drift.items()}
+    cand = {k: [90 * d, 91 * d] for k, d in drift.items()}
+    paired = compare_samples(base, cand, paired=True)
+    unpaired = compare_samples(base, cand)
+    assert paired.over == "3 rounds (paired)" and unpaired.over == "3 rounds"
+    assert paired.verdict == "regression" and paired.ci_high - paired.ci_low < 0.01
+    assert unpaired.verdict == "no change" and unpaired.ci_low < 0.9 < 1 < unpaired.ci_high
+
+
+def test_interval_is_deterministic_and_covers_the_ratio():
+    a, b = (compare_samples(one(noisy(100)), one(noisy(80, seed=1))) for _ in range(2))
     assert (a.ci_low, a.ci_high) == (b.ci_low, b.ci_high)
     assert a.ci_low < a.ratio < a.ci_high and 0.75 < a.ci_low and a.ci_high < 0.85
 
@@ -136,7 +154,7 @@ def test_verdicts_per_cell_summary_and_unmatched(pair, tmp_path):
                         ("4", "pp512"): "no change", ("4", "tg128"): "no change"}
     cell = next(c for c in out["cells"] if c["n_cpu_moe"] == "0" and c["workload"] == "pp512")
     assert cell["ratio"] == pytest.approx(np.median(noisy(80, seed=6)) / np.median(noisy(100, seed=1)))
-    assert cell["p_value"] < 0.01 and cell["n_base"] == cell["n_cand"] == 10
+    assert cell["ci_high"] < 0.85 and cell["over"] == "10 repetitions" and cell["n_base"] == cell["n_cand"] == 10
     pp = next(s for s in out["summary"] if s["workload"] == "pp512")
     ratios = [c["ratio"] for c in out["cells"] if c["workload"] == "pp512"]
     assert pp["geomean ratio"] == pytest.approx(math.sqrt(ratios[0] * ratios[1])) and pp["regression"] == 1
@@ -170,10 +188,10 @@ def test_failed_candidate_cell_fails_the_check(tmp_path):
 
 
 def test_insufficient_data_is_said_plainly(tmp_path):
-    base = make_run(tmp_path, "b", [{"engine": "e", "n_cpu_moe": 0, "values": {"pp64": noisy(100, 3)}}])
-    cand = make_run(tmp_path, "c", [{"engine": "e", "n_cpu_moe": 0, "values": {"pp64": noisy(50, 3, 1)}}])
+    base = make_run(tmp_path, "b", [{"engine": "e", "n_cpu_moe": 0, "values": {"pp64": noisy(100, 1)}}])
+    cand = make_run(tmp_path, "c", [{"engine": "e", "n_cpu_moe": 0, "values": {"pp64": noisy(50, 1, 1)}}])
     r = run_cli("compare", base, cand, "--fail-on-regression")
-    assert r.exit_code == 0 and "insufficient data" in r.output and "-r 5" in r.output
+    assert r.exit_code == 0 and "insufficient data" in r.output and "-r 2" in r.output
 
 
 def test_bad_input_exits_2_with_one_sentence(pair, tmp_path):
@@ -182,6 +200,7 @@ def test_bad_input_exits_2_with_one_sentence(pair, tmp_path):
                                        "values": {"pp512": noisy(50)}}])
     cases = [([tmp_path / "nope", cand], "not a moebench run directory"),
              ([base, cand, "--threshold", "5"], "write it as 5% or 0.05"),
+             ([base, cand, "--threshold", "5"], "--threshold '5' is not a relative amount"),
              ([base, cand, "--ignore", "colour"], "not a key field"),
              ([base, other], "differ in threads"),
              ([f"{base}:A", cand], "not an interleaved run"),
@@ -203,8 +222,13 @@ def test_interleaved_arms_split_and_match_across_what_differs(tmp_path):
         {"engine": "llama-cpp", "n_cpu_moe": 0, "arm": "B", "threads": 1, "values": {"pp64": noisy(70, seed=2)}}])
     r = run_cli("compare", f"{run}:A", f"{run}:B", "--format", "json", "--fail-on-regression")
     assert r.exit_code == 1
-    cells = json.loads(r.stdout)["cells"]
+    out = json.loads(r.stdout)
+    cells = out["cells"]
     assert len(cells) == 1 and cells[0]["verdict"] == "regression"
+    # what a CI job reads: the decision and the interval behind it
+    assert out["decision"]["fail"] is True
+    (bad,) = out["decision"]["failing_cells"]
+    assert bad["ci_high"] < 0.95 and bad["ci_low"] < bad["ratio"] < bad["ci_high"]
 
 
 def test_history_selectors(tmp_path):
@@ -246,7 +270,7 @@ def test_real_sweeps_slower_candidate_is_flagged(tiny, tmp_path):
     cell = json.loads(r.stdout)["cells"][0]
     print(f"\nn_ubatch 512 -> 16, pp256: ratio {cell['ratio']:.3f} (95% CI "
           f"{cell['ci_low']:.3f}-{cell['ci_high']:.3f}), "
-          f"p {cell['p_value']:.2g}: {cell['verdict']}")
+          f"over {cell['over']}: {cell['verdict']}")
     assert cell["verdict"] == "regression" and cell["ratio"] < 0.95
     # both sweeps were indexed on the way: the history baseline finds the first one
     r = moebench("compare", "history:latest", runs[0], "--results-dir", tmp_path, "--ignore", "n_ubatch",

@@ -370,10 +370,11 @@ def test_pinned_host_memory_is_not_rounded_up(gpu_model):
 
 
 def test_reference_cuda_dequant_scratch_is_bounded(tmp_path):
-    """Resident quantized weights are dequantized per product "into a scratch of the compute dtype" (model.py). The
-    VRAM a short prefill + decode needs beyond the loaded engine, against the largest matrix in the compute dtype:
-    within 2x (one scratch plus the product's output). The decoders' float32 intermediates (4-9 bytes a value,
-    engines/reference/dequant.py) would show here: on a real Qwen3-30B-A3B output head (151936 x 2048) that is GBs."""
+    """Resident quantized weights are dequantized per product "into a scratch of the compute dtype"
+    (models/transformer.py). The VRAM a short prefill + decode needs beyond the loaded engine, against the
+    largest matrix in the compute dtype: within 2x (one scratch plus the product's output). The decoders'
+    float32 intermediates (4-9 bytes a value, engines/reference/dequant.py) would show here: on a real
+    Qwen3-30B-A3B output head (151936 x 2048) that is GBs."""
     from dataclasses import replace
 
     from workloads.synth import synthesize

@@ -94,7 +94,7 @@ def _interleaved_verdict(tiny, tmp_path, b: str) -> tuple[int, str]:
     r = moebench("compare", f"{run}:A", f"{run}:B", "--fail-on-regression", "--format", "json")
     cell = json.loads(r.stdout)["cells"][0]
     print(f"\n{b}: ratio {cell['ratio']:.3f} (95% CI {cell['ci_low']:.3f}-{cell['ci_high']:.3f}), "
-          f"p {cell['p_value']:.2g}: {cell['verdict']}")
+          f"over {cell['over']}: {cell['verdict']}")
     return r.returncode, cell["verdict"]
 
 

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("harness", "engines", "workloads")
 # engine modules that import nothing of the project but each other (and torch-free reference data)
 ENGINE_LEAVES = {"engines", "engines.errors", "engines.paths", "engines.devices", "engines.base", "engines.gguf_meta",
-                 "engines.ggml_build", "engines.registry", "engines.reference", "engines.reference.placement"}
+                 "engines.ggml_build", "engines.registry", "engines.reference", "engines.reference.placement",
+                 "engines.expert_cache", "engines.routing"}
 
 
 def leaf(module: str) -> bool:

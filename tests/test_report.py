@@ -124,9 +124,10 @@ def test_against_published_places_both_side_by_side(fake_run, tmp_path):
     assert r.returncode == 0, r.stderr
     against = r.stdout.split("measured vs published: Qwen3.5-35B-A3B")[1]
     # best of the repetitions, as published: 1100 / 500
-    assert "| 0 | pp4096 | 9,538 | 8,149 | 1.17x | 1,100 | 500 | 2.20x |" in against, against
+    # with the interval of the typical ratio (Welch over the repetitions: one process each) and its verdict
+    assert "| 0 | pp4096 | 9,538 | 8,149 | 1.17x | 1,100 | 500 | 2.20x (1.00–5.50) | A faster |" in against, against
     assert "| 12 | pp4096 | 6,755 | 988 | 6.84x | 820 | oom (killed by SIGKILL (OOM killer)) |" in against
-    assert "| 24 | pp4096 | 4,412 | 498 | 8.86x | not run | not run |  | depth not in this run |" in against
+    assert "| 24 | pp4096 | 4,412 | 498 | 8.86x | not run | not run |  |  | depth not in this run |" in against
     assert "| 0 | tg128 | 160 | 228 | 0.70x | not run | 25.0 |" in against       # reference ran tg128@d8192 only
     hw = r.stdout.split("hardware: published vs this run")[1]
     assert "NVIDIA RTX PRO 6000" in hw and "Tiny CPU (2 threads)" in hw and "none (no GPU" in hw

@@ -133,11 +133,24 @@ def test_greedy_continuation_identical_at_depths_0_half_all(models, dtype):
 @pytest.mark.skipif(len(ISAS) < 2, reason="this CPU has only the AVX2 kernels: nothing to compare them with")
 @pytest.mark.parametrize("dtype", ["f16", "q8_0", "q4_k_m", "iq4_xs", "mxfp4"])
 def test_forced_avx2_and_native_give_the_same_tokens(models, dtype, monkeypatch):
-    seqs = {}
+    """The same greedy tokens up to the first near-tie (top two logits within 0.02 in either run): there the two
+    variants' summation orders may pick either token, and everything after follows from that pick."""
+    runs = {}
     for isa in ISAS:
         monkeypatch.setenv("MOEBENCH_ISA", isa)
-        seqs[isa] = greedy(models[dtype], BASE.h.n_layers // 2)
-    assert seqs["avx2"] == seqs["avx512"]
+        e = ReferenceEngine()
+        e.load(models[dtype], EngineSettings(n_cpu_moe=BASE.h.n_layers // 2, n_ctx=128, n_ubatch=16, threads=2))
+        e.prefill(PROMPT[:8])
+        toks, gaps = [], []
+        for _ in range(24):
+            top = e.logits()[-1].float().topk(2).values
+            toks.append(int(e.logits()[-1].argmax()))
+            gaps.append(float(top[0] - top[1]))
+            e.decode(toks[-1])
+        runs[isa] = (toks, gaps)
+    (a, ga), (b, gb) = runs["avx2"], runs["avx512"]
+    end = next((i for i in range(len(a)) if min(ga[i], gb[i]) < 0.02), len(a))
+    assert end >= 4 and a[:end] == b[:end], (end, a, b)
 
 
 @pytest.mark.parametrize("dtype", ["q4_k_m", "q5_k_m", "iq4_xs"])

@@ -18,6 +18,7 @@ from engines.errors import UserError
 from engines.gguf_meta import tensor_bytes
 from engines.paths import cache_dir
 from engines.reference.archs import ARCHS, PRESETS, Hparams, Preset
+from workloads.planted import Planter, Planting, parse_options
 from workloads.quantize import FTYPES, quantize, tensor_types
 
 DTYPES = tuple(FTYPES)      # llama.cpp file types: f32 f16 bf16 q8_0 q4_0 q4_k_m q5_k_m q6_k iq4_xs mxfp4
@@ -61,10 +62,11 @@ def _weights(shape: tuple[int, ...], name: str, rng: np.random.Generator) -> np.
 
 
 def synthesize(preset: str | Preset, out: str | Path, seed: int = 0, dtype: str | None = None,
-               sparse: bool = False) -> Path:
+               sparse: bool = False, routing: Planting | None = None) -> Path:
     """Write a random-weight GGUF for the preset; returns the path. Same inputs -> same bytes.
     sparse: the header and tensor table only, the data a hole of the right size (no disk, no weights): what
-    `moebench plan` reads, for the real models' full layer counts (their weights would take 13-150 GB)."""
+    `moebench plan` reads, for the real models' full layer counts (their weights would take 13-150 GB).
+    routing: plant a skewed, token-tied routing (workloads.planted), recorded as `moebench.routing.*` metadata."""
     import gguf
 
     p = get_preset(preset, dtype) if isinstance(preset, str) else replace(preset, dtype=dtype or preset.dtype)
@@ -73,8 +75,15 @@ def synthesize(preset: str | Preset, out: str | Path, seed: int = 0, dtype: str 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     w = gguf.GGUFWriter(tmp, h.arch)
-    write_metadata(w, h, f"moebench-synth-{preset if isinstance(preset, str) else h.arch}-{p.dtype}-s{seed}")
     shapes = tensor_shapes(p)
+    planter = None
+    if routing is not None:
+        routers = [int(n.split(".")[1]) for n in shapes if n.startswith("blk.") and n.endswith(".ffn_gate_inp.weight")]
+        planter = Planter(routing.resolved(h.n_expert, h.n_embd, h.n_vocab), h, routers, seed)
+    tag = f"-{planter.p.tag}" if planter else ""
+    write_metadata(w, h, f"moebench-synth-{preset if isinstance(preset, str) else h.arch}-{p.dtype}-s{seed}{tag}")
+    if planter:
+        planter.write_metadata(w)
     types = tensor_types(p.dtype, shapes, h.n_layers, h.arch, n_expert=h.n_expert, n_head=h.n_head,
                          n_head_kv=h.n_head_kv)        # llama-quantize's choice for this file type
     special = ARCHS[h.arch].synth_tensor
@@ -95,7 +104,8 @@ def synthesize(preset: str | Preset, out: str | Path, seed: int = 0, dtype: str 
     else:                                    # one tensor (an expert stack: one expert) in memory at a time
         for idx, (name, shape) in enumerate(shapes.items()):
             rng = np.random.default_rng([seed, idx])
-            n = sum(_write(f, a, types[name]) for a in _values(special, name, shape, types[name], rng, h))
+            values = _values(special, name, shape, types[name], rng, h)
+            n = sum(_write(f, planter.values(name, a) if planter else a, types[name]) for a in values)
             assert n == tensor_bytes(types[name], shape), (name, n)
             w.write_padding(f, n)
         w.close()
@@ -128,15 +138,19 @@ def _write(f, a: np.ndarray, ggml_type: str) -> int:
 
 
 def cached_model(spec: str, seed: int = 0) -> Path:
-    """`preset:NAME[:DTYPE]` -> a synthesized file in the cache directory, created once and reused."""
-    _, name, *rest = spec.split(":")
-    p = get_preset(name, rest[0] if rest else None)
-    path = cache_dir() / "models" / f"{name}-{p.dtype}-s{seed}.gguf"
-    return path if path.exists() else synthesize(name, path, seed=seed, dtype=p.dtype)
+    """`preset:NAME[:DTYPE][@zipf=S[@clusters=C]]` -> a synthesized file in the cache directory, created once and
+    reused; the @ options plant a skewed, token-tied routing (workloads.planted)."""
+    base, *opts = spec.split("@")
+    _, name, *rest = base.split(":")
+    p, routing = get_preset(name, rest[0] if rest else None), parse_options(opts)
+    tag = f"-{routing.tag}" if routing else ""
+    path = cache_dir() / "models" / f"{name}-{p.dtype}-s{seed}{tag}.gguf"
+    return path if path.exists() else synthesize(name, path, seed=seed, dtype=p.dtype, routing=routing)
 
 
 def resolve_model(m: str, seed: int = 0) -> Path:
-    """A -m/--model value: `preset:NAME[:DTYPE]` (synthesized once into the cache) or a file path, made absolute
+    """A -m/--model value: `preset:NAME[:DTYPE][@zipf=S[@clusters=C]]` (synthesized once into the cache) or a file
+    path, made absolute
     against the user's directory (so is a relative MOEBENCH_CACHE): cells run in workers whose cwd is the project
     root, or on Ray nodes."""
     return (cached_model(m, seed) if m.startswith("preset:") else Path(m).expanduser()).absolute()

@@ -187,5 +187,8 @@ def dequantize_rows(raw: torch.Tensor, ggml_type: str, k: int, dtype: torch.dtyp
 def dequantize(qt: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A whole weight (matrix (N, K), expert stack (E, N, K), vector) as a `dtype` tensor of qt.shape."""
     qt.validate("dequantize")
+    if qt.layout != "ggml":        # the CPU kernels' interleaved layout: only they read it (weights.Holder)
+        raise ValueError(f"dequantize: {qt.type} in layout {qt.layout}; convert it back first with "
+                         f"kernels.QuantKernels.repack(qt, 'ggml')")
     rb = qt.row_bytes
     return dequantize_rows(qt.raw.reshape(-1, rb), qt.type, qt.k, dtype).reshape(qt.shape)

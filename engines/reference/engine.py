@@ -18,11 +18,19 @@ Knobs in EngineSettings.extra (all optional):
   logits_all            true: prefill keeps the logits of every position (tests), else only the last
   hugepages             CPU device: hold matrices >= 2 MiB as one copy of their bytes on memory advised for
                         transparent huge pages (weights.hugepage_copy; default true; false: the file mapping)
+  repack                CPU device: hold Q4_K expert stacks in the CPU kernels' interleaved layout (kernels.host_layout,
+                        made once at load in place of the file's bytes; default true; false: as the file stores them)
   fused_decode          CPU device: one-token decode through the fused C++ block steps where the architecture
                         allows (kernels.FusedDecode; default true; false: the model's ATen ops)
   cache_type            CPU device: the KV cache's type, "f16" (default: llama.cpp's, so both engines hold the
                         same KV bytes) or "f32" (to compare with llama.cpp run with type_k = type_v = f32); on
                         CUDA the cache holds the compute dtype
+  trace_routing         path of a .npz: record the routing of each workload's first run (engines.routing; the
+                        worker names the workloads through trace_segment)
+  cache_mib             MiB of accelerator memory for an expert cache of the offloaded layers (default 0: none;
+                        engines.reference.cache); on a CPU-only host the slots are host memory, counted the same
+  cache_policy          the cache's policy: lru (default), lfu, classlru, or static (needs cache_static_trace)
+  cache_static_trace    a routing trace of this model (.npz) whose most selected experts per layer static pins
 """
 from __future__ import annotations
 
@@ -32,16 +40,19 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from engines.base import Engine, EngineInfo, EngineSettings, resolve_depth
+from engines.base import ANY_WHOLE_NUMBER, Engine, EngineInfo, EngineSettings, resolve_depth
 from engines.errors import UserError
 
 VERSION = "0.2.0"
 TORCH_DTYPES = ("f32", "bf16", "f16")
 CACHE_TYPES = {"f16": "float16", "f32": "float32"}          # cache_type -> torch dtype
+ONLINE_POLICIES = ("lru", "lfu", "static", "classlru")       # the expert-cache policies cheap enough to run inside
 
 
 class ReferenceEngine(Engine):
     name = "reference"
+    knobs = {"cache_mib": ANY_WHOLE_NUMBER, "cache_policy": ONLINE_POLICIES}
+    routing_traces = True
 
     @classmethod
     def available(cls) -> str | None:
@@ -76,7 +87,7 @@ class ReferenceEngine(Engine):
         from engines.gguf_meta import read_meta
         from engines.reference import kernels
         from engines.reference.archs import arch_of, hparams
-        from engines.reference.model import Products
+        from engines.reference.models.transformer import Products
         from engines.reference.offload import PATHS, Activation, ExpertStack, MoEExecutor, OffloadConfig
         from engines.reference.placement import compute_dtype, stored_type
         from engines.reference.weights import GGUFFile, Holder, check
@@ -130,7 +141,8 @@ class ReferenceEngine(Engine):
             self._host_threads_rule = "threads: CPU-only, host and accelerator parts share the cores"
         ocfg = OffloadConfig(n_cpu_moe=depth, path=path, stream_min_batch=int(x.get("moe_stream_min_batch", 128)),
                              host_threads=host_threads, threads=s.threads)
-        hold = Holder(GGUFFile(meta), device, hugepages=bool(x.get("hugepages", True)))
+        hold = Holder(GGUFFile(meta), device, hugepages=bool(x.get("hugepages", True)),
+                      kernels=qk if x.get("repack", True) else None)
 
         def take(name: str, group: str = "non_experts", where: str = "accelerator") -> "object":
             """A tensor of the file in its home: matrices as stored, vectors (and biases: experts' are (E, ff)) f32."""
@@ -165,7 +177,9 @@ class ReferenceEngine(Engine):
             self.model.fused = None
         hold.ledger.add("kv_cache", "accelerator", 0, self.model.cache_bytes - self.model.state_bytes)
         hold.ledger.add("state", "accelerator", 0, self.model.state_bytes)
+        self._setup_cache(x, stacks[:min(depth, cfg.n_trunk)], meta, device, hold.ledger)
         hold.ledger.add("staging", "accelerator", 0, self.moe.staging_bytes)
+        self.recorder = self.moe.recorder = self._recorder(x, meta, cfg, stacks, depth, s)
 
         self.s, self.cfg, self.meta, self.ledger, self.device, self._hold = s, cfg, meta, hold.ledger, device, hold
         self.depth, self.ocfg, self.stored, self.isa = depth, ocfg, stored, qk.isa
@@ -189,15 +203,22 @@ class ReferenceEngine(Engine):
     def reset(self) -> None:
         self.pos, self._logits = 0, None
         self.model.reset()
+        if self.moe.cache is not None:
+            self.moe.cache.reset()
+
+    def trace_segment(self, name: str | None, tokens: Sequence[int] = (), stream: str = "random") -> None:
+        if self.recorder is not None:
+            self.recorder.segment(name, tokens, stream)
 
     def prefill(self, tokens: Sequence[int]) -> None:
         import torch
 
-        from engines.reference.model import prefill
+        from engines.reference.models.transformer import prefill
         if not len(tokens):
             return
         self._check_room(len(tokens))
         t = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
+        self._at(0)
         with torch.inference_mode():
             self._logits = prefill(self.model, t, self.pos, self.s.n_ubatch, self.all_logits)
         self.pos += len(tokens)
@@ -206,13 +227,20 @@ class ReferenceEngine(Engine):
     def decode(self, token: int) -> None:
         import torch
 
-        from engines.reference.model import decode
+        from engines.reference.models.transformer import decode
         self._check_room(1)
         t = torch.tensor([token], dtype=torch.long, device=self.device)
+        self._at(1)
         with torch.inference_mode():
             self._logits = decode(self.model, t, self.pos)
         self.pos += 1
         self._sync()
+
+    def _at(self, phase: int) -> None:
+        """A prefill (0) or decode (1) call starts at self.pos: what the recorder and the cache count it as."""
+        self.moe.phase = phase
+        if self.recorder is not None:
+            self.recorder.at(self.pos, phase)
 
     def logits(self):
         """Logits of the last prefill (every position with extra logits_all, else the last) or decode: (n, V) f32."""
@@ -227,7 +255,8 @@ class ReferenceEngine(Engine):
             "n_cpu_moe": self.depth, "dtype": self._dtype_name, "device": str(self.device), "mmap": True,
             "extra": dict(self.s.extra) | {"cpu_isa": self.isa,
                 "moe_path": self.ocfg.path, "moe_stream_min_batch": self.ocfg.stream_min_batch,
-                "cpu_moe_threads": self.ocfg.host_threads}}
+                "cpu_moe_threads": self.ocfg.host_threads}
+            | ({} if self.moe.cache is None else self.moe.cache.to_dict())}
         return EngineInfo(
             engine=self.name, version=self.version(), settings=eff,
             bytes_by_device=lg.by_device(),
@@ -246,6 +275,55 @@ class ReferenceEngine(Engine):
                 **self.moe.counters.to_dict()})
 
     def close(self) -> None:
-        self.model = self.moe = None
+        if self.recorder is not None:
+            self.recorder.segment(None)          # a segment left open (a failed run) is kept too
+        self.model = self.moe = self.recorder = None
         self._logits = None
         self._hold.unpin()
+
+    # --- routing traces and the expert cache ---------------------------------------------------------------
+
+    def _recorder(self, x: dict, meta, cfg, stacks: list, depth: int, s: EngineSettings):
+        """A TraceRecorder for extra trace_routing (a path), else None."""
+        if not x.get("trace_routing"):
+            return None
+        from engines.routing import TraceRecorder
+
+        moe = list(self.moe.moe_index)               # the layers with routed experts the engine runs
+        return TraceRecorder(Path(x["trace_routing"]), {
+            "model": meta.name, "fingerprint": meta.fingerprint, "arch": cfg.arch, "n_layers": cfg.n_layers,
+            "moe_layers": moe, "n_expert": stacks[moe[0]].gate.shape[0], "k": cfg.n_expert_used,
+            "expert_bytes": [stacks[il].expert_bytes for il in moe], "n_cpu_moe": depth, "n_ubatch": s.n_ubatch})
+
+    def _setup_cache(self, x: dict, offloaded: list, meta, device, ledger) -> None:
+        """The expert cache of extra cache_mib / cache_policy / cache_static_trace (engines.reference.cache)."""
+        mib = str(x.get("cache_mib", 0)).strip()
+        if not mib.isdigit():
+            raise UserError(f"cache_mib {x.get('cache_mib')!r} is not a whole number of MiB; use e.g. 0 or 512.")
+        policy = str(x.get("cache_policy", "lru"))
+        if policy not in ONLINE_POLICIES:
+            raise UserError(f"cache_policy {policy!r} is not one the engine runs; use {', '.join(ONLINE_POLICIES)}.")
+        if int(mib) == 0 or not offloaded:
+            return
+        from engines.reference.cache import ExpertCache, capacities
+
+        static = None
+        if policy == "static":
+            static = self._static_sets(x, meta, offloaded, capacities(offloaded, int(mib) << 20))
+        self.moe.cache = ExpertCache(offloaded, int(mib) << 20, policy, device, static)
+        self.moe.staging.clear()          # the cache replaces the stream path, whose staging buffers go unused
+        ledger.add("expert_cache", "accelerator", 0, self.moe.cache.slot_bytes)
+
+    @staticmethod
+    def _static_sets(x: dict, meta, offloaded: list, capacity: list[int]) -> list[list[int]]:
+        from engines.reference.cache import static_sets
+        from engines.routing import load_trace
+
+        if not x.get("cache_static_trace"):
+            raise UserError("cache_policy static pins the most used experts of a routing trace; pass "
+                            "--cache-static-trace FILE.npz (from a sweep with --trace-routing).")
+        tr = load_trace(Path(x["cache_static_trace"]))
+        if tr.header["fingerprint"] != meta.fingerprint or tr.n_layers_moe < len(offloaded):
+            raise UserError(f"{x['cache_static_trace']} is a trace of {tr.header['model']!r}, not of this model "
+                            f"({meta.name}); record one with `moebench sweep -m <this model> --trace-routing`.")
+        return static_sets([tr.ids[:, j] for j in range(len(offloaded))], capacity, tr.n_expert)

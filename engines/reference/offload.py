@@ -19,6 +19,12 @@ Paths for an offloaded layer (TensorSharp's scheme):
 Without CUDA the accelerator is the same RAM, so auto takes the host path at every batch size (a staging
 copy would cost time and bytes llama.cpp does not spend); stream can still be forced (path="stream", its
 staging buffer a CPU tensor) and checked to give the same output as host.
+  cache   with an expert cache (engines.reference.cache, engine setting cache_mib): every batch of an offloaded
+          layer asks the cache; experts it holds (or admits, copying them into a slot) run from their slots on
+          the accelerator, the rest from host RAM as on the host path.
+
+Two optional passengers, None unless asked for (one attribute test a call when off): `recorder`, an
+engines.routing.TraceRecorder that sees every MoE call's ids and weights (routing traces), and `cache`.
 """
 from __future__ import annotations
 
@@ -129,7 +135,7 @@ def grouped_experts(linear: Callable, s: ExpertStack, x: torch.Tensor, ids: torc
 
 @dataclass
 class Counters:
-    calls: dict[str, int] = field(default_factory=lambda: {"resident": 0, "host": 0, "stream": 0})
+    calls: dict[str, int] = field(default_factory=lambda: {"resident": 0, "host": 0, "stream": 0, "cache": 0})
     streamed_experts: int = 0
     streamed_bytes: int = 0
     prefetched_layers: int = 0
@@ -155,7 +161,7 @@ def num_threads(n: int):
 
 class MoEExecutor:
     """Runs layer il's routed experts for a batch, on the path the placement and batch size select.
-    `linear(x, qt)` is the model's product with a stored matrix (engines.reference.model.Products);
+    `linear(x, qt)` is the model's product with a stored matrix (engines.reference.models.transformer.Products);
     `kernels` the CPU kernels (their moe_decode and moe_prefill) or None."""
 
     def __init__(self, layers: list[ExpertStack | None], cfg: OffloadConfig, device: torch.device,
@@ -178,6 +184,10 @@ class MoEExecutor:
             self.buf_free = [None, None]      # event: compute finished reading staging buffer b
         self._prefetched: dict[int, tuple[int, object]] = {}   # layer -> (buffer, copy-done event)
         self._n = 0
+        self.recorder = None          # engines.routing.TraceRecorder: records every call's routing
+        self.moe_index: dict[int, int] = {il: li for li, il in enumerate(i for i, s in enumerate(layers) if s)}
+        self.cache = None             # engines.reference.cache.ExpertCache over the offloaded layers
+        self.phase = 0                # 0 prefill, 1 decode: what the engine is running (the cache counts per phase)
 
     @property
     def staging_bytes(self) -> int:
@@ -186,6 +196,8 @@ class MoEExecutor:
     def path_for(self, il: int, n: int) -> str:
         if not self.layers[il].on_host:
             return "resident"
+        if self.cache is not None:
+            return "cache"
         if self.cfg.path != "auto":
             return self.cfg.path
         return "stream" if self.cuda and n >= self.cfg.stream_min_batch else "host"
@@ -194,23 +206,61 @@ class MoEExecutor:
         """A new forward pass of n tokens starts: prefetches of the previous one are void."""
         self._n = n
         self._prefetched.clear()
+        if self.recorder is not None:
+            self.recorder.step(n)
+        if self.cache is not None:
+            self.cache.begin_pass(n)
 
     def __call__(self, il: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x: (n, D) f32 on the accelerator; ids, w: (n, k) -> (n, D) f32 on the accelerator."""
         path = self.path_for(il, x.shape[0])
         self.counters.calls[path] += 1
+        if self.recorder is not None:
+            self.recorder.record(self.moe_index[il], ids.cpu().numpy(), w.float().cpu().numpy())
         s = self.layers[il]
         if s.scale is not None:                                # an expert's output scale folds into its weight
             w = w * s.scale.to(w.device)[ids]
         if path == "stream":
             return self._stream(il, x, ids, w)
+        if path == "cache":
+            return self._cached(il, x, ids, w)
         if self.cuda and path == "resident":
             return self._compute(s, x, ids, w)
+        return self._on_host(s, x, ids, w, path)
+
+    def _on_host(self, s: ExpertStack, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, path: str) -> torch.Tensor:
+        """Stack s's experts computed on the CPU (its bytes there), the result back on the accelerator."""
         with num_threads(self.cfg.host_threads if path == "host" else self.cfg.threads):
             xc, ic, wc = x.cpu(), ids.cpu(), w.cpu()
             gb, ub, db = (None if t is None else t.cpu() for t in s.biases())    # vectors live on the accelerator
             y = self._compute(replace(s, gate_b=gb, up_b=ub, down_b=db), xc, ic, wc)
         return y.to(self.device, non_blocking=True)
+
+    def _cached(self, il: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """An offloaded layer with the expert cache: its experts from the slots where the cache holds them, the
+        rest from host RAM (engines.reference.cache). On the CPU a mixed request is gathered into one stack, so
+        every token's sum runs in routing order as without the cache (bit-identical); on CUDA the slots' part runs
+        on the GPU, the rest on the CPU, and the two parts add."""
+        c, j = self.cache, self.moe_index[il]
+        plan = c.request(j, ids, self.phase)
+        if not any(plan.on_device):
+            return self._on_host(self.layers[il], x, ids, w, "host")
+        if all(plan.on_device) or not self.cuda:
+            stack = c.stack(j) if all(plan.on_device) else c.gathered(j, plan)
+            lut = torch.full((self.layers[il].gate.shape[0],), -1, dtype=torch.long)
+            lut[plan.used] = torch.tensor(plan.slot) if all(plan.on_device) else torch.arange(len(plan.slot))
+            slot_ids = lut.to(ids.device)[ids]                 # (n, k) index of each routed expert in `stack`
+            if not self.cuda:
+                with num_threads(self.cfg.threads):
+                    return self._compute(stack, x, slot_ids, w)
+            return self._compute(stack, x, slot_ids, w)
+        dev = torch.zeros(self.layers[il].gate.shape[0], dtype=torch.bool)
+        dev[plan.used[torch.tensor(plan.on_device)]] = True
+        slot = torch.zeros(len(dev), dtype=torch.long)
+        slot[plan.used] = torch.tensor(plan.slot).clamp(min=0)
+        on = dev.to(ids.device)[ids]                           # (n, k): computed from a slot
+        y_dev = self._compute(c.stack(j), x, slot.to(ids.device)[ids], w * on)
+        return y_dev + self._on_host(self.layers[il], x, ids, w * ~on, "host")
 
     def _compute(self, s: ExpertStack, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Stack s's experts on the device its bytes are on: on the CPU the kernels' one call (gate, up,

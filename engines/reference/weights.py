@@ -3,6 +3,9 @@
 Every matrix stays as the file stores it (a QTensor: its bytes and ggml type), in one of three homes: the
 file mapping itself (zero-copy), one copy of the same bytes on 2 MiB pages (CPU), or one copy on the GPU /
 in page-locked host memory (CUDA). A copy releases the mapping's pages, so no tensor is ever held twice.
+Routed-expert stacks the CPU kernels compute (every expert of a CPU-device run) may instead be held in an
+interleaved layout made once here (kernels.host_layout: Q4_K, Q6_K as "x8", the same bytes reordered),
+again in place of the file's bytes, never beside them.
 Vectors (norms, biases, sinks, scales: at most a few KiB a layer) are held as f32 tensors.
 """
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 
 from engines.errors import UserError
 from engines.gguf_meta import ModelMeta, TensorEntry, tensor_bytes
+from engines.reference.kernels import host_layout
 from engines.reference.qtensor import COMPUTED, TYPES, QTensor
 
 VECTOR_TYPES = ("F32", "F16", "BF16")      # the types vectors may be stored in (llama.cpp writes F32)
@@ -71,19 +75,26 @@ class GGUFFile:
 HUGE = 2 << 20   # x86 transparent huge page
 
 
+def hugepage_empty(n: int) -> torch.Tensor:
+    """n uint8 bytes in an anonymous mapping advised for 2 MiB transparent huge pages (see hugepage_copy);
+    under 2 MiB, or without MADV_HUGEPAGE, an ordinary tensor."""
+    if n < HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(n, dtype=torch.uint8)
+    m = mmap.mmap(-1, n + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE)
+    buf = torch.frombuffer(m, dtype=torch.uint8)          # holds a reference to m: lives as long as buf
+    off = (-buf.data_ptr()) % HUGE                         # huge pages need 2 MiB-aligned addresses
+    return buf[off:off + n]
+
+
 def hugepage_copy(raw: torch.Tensor) -> torch.Tensor:
     """A copy of CPU bytes in an anonymous mapping advised for 2 MiB transparent huge pages (THP is often
     "madvise"-only). Why: decode streams every active weight once per token; with 4 KiB pages each 4 KiB
     read walks the page table and the prefetcher stops at each page end (measured, 2 Zen4 threads, a bf16
     GEMV: ~29 GB/s on 4 KiB pages, ~45 on huge pages). Under 2 MiB, or without MADV_HUGEPAGE: as it is."""
-    n = raw.numel()
-    if n < HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if raw.numel() < HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return raw
-    m = mmap.mmap(-1, n + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    m.madvise(mmap.MADV_HUGEPAGE)
-    buf = torch.frombuffer(m, dtype=torch.uint8)          # holds a reference to m: lives as long as buf
-    off = (-buf.data_ptr()) % HUGE                         # huge pages need 2 MiB-aligned addresses
-    return buf[off:off + n].copy_(raw)
+    return hugepage_empty(raw.numel()).copy_(raw)
 
 
 @dataclass
@@ -119,9 +130,12 @@ class ByteLedger:
 class Holder:
     """Takes each tensor of the file to its home and books its bytes (see the module docstring)."""
 
-    def __init__(self, src: GGUFFile, device: torch.device, hugepages: bool):
+    def __init__(self, src: GGUFFile, device: torch.device, hugepages: bool, kernels=None):
+        """kernels: the CPU kernels (kernels.QuantKernels) whose layout (host_layout) a CPU device's expert
+        stacks are repacked into, or None to keep every matrix as the file stores it."""
         self.src, self.device, self.cuda = src, device, device.type == "cuda"
         self.hugepages = hugepages and not self.cuda
+        self.kernels = None if self.cuda else kernels
         self.ledger = ByteLedger()
         self.pinned: list[torch.Tensor] = []
 
@@ -145,6 +159,12 @@ class Holder:
     def matrix(self, name: str, group: str, where: str) -> QTensor:
         """A matrix as stored, at `where` ("host" | "accelerator")."""
         qt = self.src.qtensor(name)
+        if self.kernels is not None and group == "experts" and len(qt.shape) == 3:
+            if (layout := host_layout(qt)) != "ggml":
+                new = self.kernels.repack(qt, layout, hugepage_empty(qt.nbytes) if self.hugepages else None)
+                self.src.release(name)
+                self.ledger.add(group, where, qt.nbytes, new.nbytes)
+                return new
         raw = qt.raw
         if self.cuda:
             raw = raw.to(self.device) if where == "accelerator" else self.pin(raw)

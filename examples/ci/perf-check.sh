@@ -5,7 +5,8 @@
 # the checkout they are in) plus an optional set-up command that installs the build to measure
 # (BASE_SETUP, CAND_SETUP, e.g. `pip install --force-reinstall ./wheels/llama_cpp_python-base.whl`).
 # The two sweeps run one after the other with the same settings; compare judges every cell
-# (Mann-Whitney U at ALPHA and a THRESHOLD change, see the README) and writes compare.md for a PR comment.
+# (a 1 - ALPHA interval of each ratio that excludes 1, and a THRESHOLD change, see the README) and writes
+# compare.md for a PR comment.
 #
 # Settings (environment):      default
 #   PYTHON                      python3      the interpreter with moebench's dependencies
@@ -20,7 +21,7 @@
 #   SWEEP_ARGS                  (none)       more sweep flags for both sides
 #   CAND_ARGS                   (none)       sweep flags for the candidate only
 #   COMPARE_ARGS                (none)       more compare flags (e.g. --ignore n_ubatch)
-#   THRESHOLD / ALPHA           5% / 0.01
+#   THRESHOLD / ALPHA           5% / 0.05
 #   RESULTS                     results/ci   where both runs, history.sqlite and compare.md go
 set -euo pipefail
 
@@ -46,7 +47,7 @@ cand=$(sweep "${CAND_DIR:-.}" "${CAND_SETUP:-}" "${CAND_ARGS:-}")
 
 status=0
 (cd "${CAND_DIR:-.}" && "$PYTHON" -m harness compare "$base" "$cand" --threshold "${THRESHOLD:-5%}" \
-    --alpha "${ALPHA:-0.01}" --results-dir "$RESULTS" --fail-on-regression --format md -o "$RESULTS/compare.md" \
+    --alpha "${ALPHA:-0.05}" --results-dir "$RESULTS" --fail-on-regression --format md -o "$RESULTS/compare.md" \
     ${COMPARE_ARGS:-}) || status=$?
 cat "$RESULTS/compare.md"
 [[ -n "${GITHUB_STEP_SUMMARY:-}" && -f "$RESULTS/compare.md" ]] && cat "$RESULTS/compare.md" >> "$GITHUB_STEP_SUMMARY"

@@ -1,8 +1,8 @@
 """`moebench compare BASE CAND`: per-cell verdicts a CI job can act on.
 
-A cell is a regression (or improvement) only when the change is both statistically significant
-(Mann-Whitney U over the raw repetitions, p < alpha) and larger than the threshold (asv's rule), so
-noise stays quiet and tiny-but-real shifts do not fail a build. Cells are matched by their full
+A cell is a regression (or improvement) only when the change is both statistically significant (the 95 % interval
+of cand / base, harness.stats.ratio_interval, the one every table prints, excludes 1) and larger than the threshold
+(asv's rule), so noise stays quiet and tiny-but-real shifts do not fail a build. Cells are matched by their full
 configuration key (harness.store.results.KEY_FIELDS); nothing is ever pooled across depths or settings.
 """
 from __future__ import annotations
@@ -12,21 +12,19 @@ import math
 import re
 import sys
 from dataclasses import asdict, dataclass
-from math import comb
 from pathlib import Path
 
 from engines.errors import UserError
 from harness.store import history
 from harness.store.results import KEY_FIELDS
+from harness.units import parse_fraction
 
-MIN_REPS = 3            # below this per side a median and a rank test say nothing
-N_BOOT = 2000
 SELECTOR = re.compile(r"^history:(latest|median-of-last-(\d+)|.+)$")
 
 
 @dataclass
 class CellResult:
-    """One matched cell: medians, ratio cand/base with a bootstrap CI, rank-test p-value, verdict."""
+    """One matched cell: medians, ratio cand/base with its interval (harness.stats.ratio_interval), verdict."""
     n_base: int
     n_cand: int
     base_median: float
@@ -34,48 +32,33 @@ class CellResult:
     ratio: float
     ci_low: float
     ci_high: float
-    p_value: float
+    over: str           # what the interval resampled: "3 rounds (paired)", "3 rounds", "6 repetitions"
     verdict: str        # regression | improvement | no change | insufficient data | candidate failed
     note: str = ""
 
 
-def min_p_value(n1: int, n2: int) -> float:
-    """The smallest two-sided Mann-Whitney p-value n1 vs n2 samples can reach (complete separation, exact)."""
-    return min(1.0, 2 / comb(n1 + n2, n1)) if n1 and n2 else 1.0
-
-
-def reps_needed(alpha: float) -> int:
-    """Repetitions per side (equal sizes) for which p < alpha is reachable at all."""
-    n = MIN_REPS
-    while min_p_value(n, n) >= alpha:
-        n += 1
-    return n
-
-
-def compare_samples(base, cand, alpha: float = 0.01, threshold: float = 0.05, higher_is_better: bool = True,
-                    seed: int = 0) -> CellResult:
-    """Verdict for one cell from raw repetitions (base, cand: sequences of the metric)."""
+def compare_samples(base: dict, cand: dict, alpha: float = 0.05, threshold: float = 0.05,
+                    higher_is_better: bool = True, paired: bool = False) -> CellResult:
+    """Verdict for one cell from raw samples grouped by process ({process: [values]}, CellSamples.groups): a
+    regression (or improvement) when the 1 - alpha interval of cand / base excludes 1 (significant) and the
+    median ratio is beyond the threshold (large enough), asv's rule; the same interval every table prints."""
     import numpy as np
-    from scipy.stats import mannwhitneyu
 
-    b, c = np.asarray(base, dtype=float), np.asarray(cand, dtype=float)
-    nan = float("nan")
-    mb, mc = (float(np.median(x)) if len(x) else nan for x in (b, c))
-    ratio = mc / mb if len(b) and len(c) and mb else nan
-    if min(len(b), len(c)) < MIN_REPS or min_p_value(len(b), len(c)) >= alpha:
-        need = reps_needed(alpha)
-        return CellResult(len(b), len(c), mb, mc, ratio, nan, nan, nan, "insufficient data",
-                          f"{len(b)} vs {len(c)} repetitions cannot show significance at alpha {alpha:g}; "
-                          f"run -r {need} or more")
-    rng = np.random.default_rng(seed)      # seeded: the same inputs print the same interval
-    boot_b = np.median(rng.choice(b, size=(N_BOOT, len(b))), axis=1)
-    boot_c = np.median(rng.choice(c, size=(N_BOOT, len(c))), axis=1)
-    lo, hi = np.percentile(boot_c / boot_b, [2.5, 97.5])
-    p = float(mannwhitneyu(c, b, alternative="two-sided").pvalue)
-    worse = ratio < 1 - threshold if higher_is_better else ratio > 1 + threshold
-    better = ratio > 1 + threshold if higher_is_better else ratio < 1 - threshold
-    verdict = "regression" if p < alpha and worse else "improvement" if p < alpha and better else "no change"
-    return CellResult(len(b), len(c), mb, mc, ratio, float(lo), float(hi), p, verdict)
+    from harness.stats import ratio_interval
+
+    b, c = ([v for vs in x.values() for v in vs] for x in (base, cand))
+    mb, mc = (float(np.median(x)) if len(x) else math.nan for x in (b, c))
+    iv = ratio_interval(cand, base, paired=paired, level=1 - alpha, higher_is_better=higher_is_better)
+    over = f"{iv.n} {iv.unit}".strip()
+    if iv.verdict == "insufficient data":
+        return CellResult(len(b), len(c), mb, mc, iv.ratio, iv.low, iv.high, over, iv.verdict,
+                          f"{len(base)} vs {len(cand)} processes of {len(b)} vs {len(c)} samples give no interval; "
+                          "run -r 2 or more, or --rounds 2 or more")
+    worse = iv.ratio < 1 - threshold if higher_is_better else iv.ratio > 1 + threshold
+    better = iv.ratio > 1 + threshold if higher_is_better else iv.ratio < 1 - threshold
+    verdict = ("regression" if iv.verdict == "B faster" and worse else
+               "improvement" if iv.verdict == "A faster" and better else "no change")
+    return CellResult(len(b), len(c), mb, mc, iv.ratio, iv.low, iv.high, over, verdict)
 
 
 # --- inputs: run directories, arms of an interleaved run, history selectors -------------------------
@@ -139,6 +122,7 @@ def _history_side(text: str, results_dir: Path, cand: Side, match_key) -> Side:
                                                      "ok", "", [], [])
                     pooled.tokens_per_s += c.tokens_per_s
                     pooled.ns += c.ns
+                    pooled.process += c.process
         if pooled:
             cells.append(pooled)
     return Side(text, cells)
@@ -150,17 +134,6 @@ def _pooled(text: str) -> bool:
     return bool(m and (m.group(1) == "latest" or m.group(2)))
 
 
-def _threshold(text: str) -> float:
-    t = text.strip()
-    try:
-        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
-    except ValueError:
-        value = -1
-    if not 0 <= value < 1:
-        raise UserError(f"--threshold {text!r} is not a relative change; write it as 5% or 0.05.")
-    return value
-
-
 # --- the comparison -----------------------------------------------------------------------------------
 
 def key_of(fields: list[str]):
@@ -169,7 +142,9 @@ def key_of(fields: list[str]):
 
 
 def compare_sides(base: Side, cand: Side, metric: str, alpha: float, threshold: float, ignore: list[str]) -> dict:
-    """Match cells by key (minus `ignore`), judge each pair; returns cells, summary and unmatched rows."""
+    """Match cells by key (minus `ignore`), judge each pair; returns cells, summary and unmatched rows. The two arms
+    of one run pair round by round (they ran in the same stretches of time); anything else is unpaired."""
+    paired = bool(base.run_dir and cand.run_dir and base.run_dir.resolve() == cand.run_dir.resolve())
     bad = [f for f in ignore if f not in KEY_FIELDS]
     if bad:
         raise UserError(f"--ignore {','.join(bad)} is not a key field; choose from {', '.join(KEY_FIELDS)}.")
@@ -195,7 +170,7 @@ def compare_sides(base: Side, cand: Side, metric: str, alpha: float, threshold: 
     rows = []
     for k in matched:
         bc, cc = b[k], c[k]
-        r = compare_samples(getattr(bc, metric), getattr(cc, metric), alpha, threshold, metric == "tokens_per_s")
+        r = compare_samples(bc.groups(metric), cc.groups(metric), alpha, threshold, metric == "tokens_per_s", paired)
         if cc.status != "ok":
             r.verdict, r.note = "candidate failed", f"candidate cell {cc.status}: {cc.error[:200]}"
         elif bc.status != "ok":
@@ -243,7 +218,7 @@ def judge(base: str, cand: str, results_dir: Path, metric: str, alpha: float, th
     returns (compare_sides result, the threshold as a fraction, notes for the user)."""
     if not 0 < alpha < 1:
         raise UserError(f"--alpha {alpha:g} must be between 0 and 1, e.g. 0.01.")
-    t = _threshold(threshold)
+    t = parse_fraction(threshold, "--threshold")
     if _pooled(cand):
         raise UserError(f"CAND {cand!r} must be one run (a directory or history:<run_id>); history:latest and "
                         "history:median-of-last-N are baselines, pass them as BASE.")
@@ -270,16 +245,26 @@ def headline(result: dict, alpha: float, threshold: float, metric: str) -> str:
               ("regression", "candidate failed", "improvement", "no change", "insufficient data")}
     text = ", ".join(f"{n} {v}" for v, n in counts.items() if n) or "no cells"
     return (f"{text} ({len(result['cells'])} matched cells, {len(result['unmatched'])} unmatched; {metric}, "
-            f"alpha {alpha:g}, threshold {threshold:.1%}, Mann-Whitney U + bootstrap 95% CI)")
+            f"{1 - alpha:.0%} t interval on log ratios (harness.stats.ratio_interval), threshold {threshold:.1%})")
+
+
+def decision(result: dict) -> dict:
+    """What a CI gate acts on: fail when a cell regressed (interval below 1 and beyond the threshold) or the
+    candidate's cell failed; the cells that decided it, with their intervals."""
+    bad = [r for r in result["cells"] if r["verdict"] in ("regression", "candidate failed")]
+    return {"fail": bool(bad), "failing_cells": [{k: r[k] for k in ("engine", "model", "n_cpu_moe", "workload",
+                                                                      "settings", "ratio", "ci_low", "ci_high", "over",
+                                                                      "verdict")} for r in bad]}
 
 
 def _display(rows: list[dict]) -> list[dict]:
-    fmt = lambda v, spec: "" if v != v else format(v, spec)
+    from harness.stats import RatioInterval
+
     out = [{"engine": r["engine"], "model": r["model"], "n_cpu_moe": r["n_cpu_moe"], "workload": r["workload"],
             "settings": r["settings"], "base": r["base_median"], "cand": r["cand_median"],
-            "ratio": fmt(r["ratio"], ".3f"), "95% CI": "" if r["ci_low"] != r["ci_low"] else
-            f"{r['ci_low']:.3f}–{r['ci_high']:.3f}", "p": fmt(r["p_value"], ".2g"),
-            "n": f"{r['n_base']}/{r['n_cand']}", "verdict": r["verdict"], "note": r["note"]} for r in rows]
+            "ratio (95% CI)": RatioInterval(r["ratio"], r["ci_low"], r["ci_high"], 0, "", "").text(),
+            "over": r["over"], "n": f"{r['n_base']}/{r['n_cand']}", "verdict": r["verdict"], "note": r["note"]}
+           for r in rows]
     if not any(r["note"] for r in out):
         out = [{k: v for k, v in r.items() if k != "note"} for r in out]
     return out
@@ -296,7 +281,7 @@ def emit(result: dict, fmt: str, output: str | None, title: str, head: str) -> N
     if fmt in ("json", "jsonl"):
         clean = lambda v: None if isinstance(v, float) and v != v else v      # NaN is not JSON
         payload = {k: [{f: clean(v) for f, v in r.items()} for r in rows] for k, rows in result.items()}
-        render([], fmt, out=output, json_payload=payload | {"headline": head})
+        render([], fmt, out=output, json_payload=payload | {"headline": head, "decision": decision(result)})
     elif fmt in ("csv", "sql"):          # sql: render's one sentence (llama-bench's table is the sweep's)
         render(result["cells"] + [{"verdict": f"only in {u['only in']}", **u} for u in result["unmatched"]],
                fmt, out=output)

@@ -71,29 +71,38 @@ def throughput(summary, out: Path, stem: str) -> list[Path]:
     return paths
 
 
-def speedup(summary, baseline: str, out: Path, stem: str) -> list[Path]:
-    """Median tok/s of each other engine over the baseline's, per workload, vs n_cpu_moe."""
+def speedup(summary, baseline: str, interval, out: Path, stem: str) -> list[Path]:
+    """Median tok/s of each other engine over the baseline's, per workload, vs n_cpu_moe, with its 95 % interval
+    as error bars (interval(a, b, depth, workload): harness.analysis.report.Intervals)."""
+    import numpy as np
+
     plt = _plt()
     ok = summary[summary["status"] == "ok"]
-    base = ok[ok["engine"] == baseline].set_index(["n_cpu_moe", "workload"])["tps_median"]
     others = [e for e in sorted(ok["engine"].unique()) if e != baseline]
-    if base.empty or not others:
+    if not (ok["engine"] == baseline).any() or not others:
         return []
     fig, ax = plt.subplots(figsize=(6.4, 4))
     seen: list[float] = []
     for engine in others:
         for wl, g in ok[ok["engine"] == engine].groupby("workload", sort=False):
-            g = g.sort_values("n_cpu_moe")
-            keys = list(zip(g["n_cpu_moe"], g["workload"]))
-            ratio = [m / base[k] if k in base.index and base[k] else math.nan for m, k in zip(g["tps_median"], keys)]
-            ax.plot(g["n_cpu_moe"], ratio, marker="o", label=f"{engine} {wl}")
+            depths = sorted(g["n_cpu_moe"])
+            ivs = [interval(engine, baseline, d, wl) for d in depths]
+            ratio = np.array([iv.ratio if iv else math.nan for iv in ivs])
+            err = np.array([[max(r - iv.low, 0), max(iv.high - r, 0)] if iv and iv.low == iv.low else [0.0, 0.0]
+                            for r, iv in zip(ratio, ivs)]).T.reshape(2, -1)      # the median can sit off-centre
+            ax.errorbar(depths, ratio, yerr=err, marker="o", capsize=3, label=f"{engine} {wl}")
             seen += [r for r in ratio if r > 0]
     ax.axhline(1.0, color="gray", lw=1, ls="--")
-    if seen and max(seen) / min(seen) > 20:
+    if seen:        # ratios live on a log axis; the view follows the ratios, and a wider interval runs off it
+        from matplotlib.ticker import ScalarFormatter
+
         ax.set_yscale("log")
+        ax.set_ylim(min(seen + [1.0]) / 1.5, max(seen + [1.0]) * 1.5)
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(ScalarFormatter())
     _depth_ticks(ax, summary["n_cpu_moe"])
     ax.set(xlabel="n_cpu_moe", ylabel=f"speedup over {baseline} (median tok/s ratio)",
-           title=f"Speedup over {baseline} vs offload depth")
+           title=f"Speedup over {baseline} vs offload depth (bars: 95% interval)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return [_save(fig, out / f"{stem}speedup.png")]

@@ -9,6 +9,7 @@ import re
 from typing import Callable
 
 from engines.errors import UserError
+from harness.stats import fmt_ratio
 
 DATA = "tensorsharp_moe_cpu_offload.csv"        # package data: harness/analysis/data/, see its README
 A, B = "TensorSharp", "llama.cpp"                      # as published: ratio = A / B
@@ -61,12 +62,21 @@ def ratio(a, b) -> float:
     return a / b if ok else float("nan")
 
 
+def with_interval(row: dict, col: str, iv) -> None:
+    """Put the interval and verdict of the ratio in column `col` next to it (iv: harness.stats.RatioInterval or
+    None): `col low`, `col high`, `col verdict`; display() folds them into the ratio's cell."""
+    nan = float("nan")
+    row[f"{col} low"], row[f"{col} high"] = (iv.low, iv.high) if iv else (nan, nan)
+    row[f"{col} verdict"] = iv.verdict if iv else ""
+
+
 def layout_rows(depths: list[int], workloads: list[str], a: str, b: str, get: Getter, vram_unit: str = "MiB",
-                printed: Getter | None = None) -> list[dict]:
+                printed: Getter | None = None, interval: Callable | None = None) -> list[dict]:
     """The published layout: one row per depth,
     n_cpu_moe | A VRAM | B VRAM | ratio | A wl | B wl | ratio ... (ratio = A / B, recomputed from the values).
     get(engine, depth, metric) gives a value for metric 'vram' or a workload; printed(None, depth, metric)
-    gives the ratio as published, shown next to the recomputed one."""
+    gives the ratio as published, shown next to the recomputed one; interval(a, b, depth, workload) the
+    measured ratio's 95 % interval and verdict (with_interval)."""
     rows = []
     for d in depths:
         row: dict = {"n_cpu_moe": d}
@@ -74,6 +84,8 @@ def layout_rows(depths: list[int], workloads: list[str], a: str, b: str, get: Ge
             va, vb = get(a, d, metric), get(b, d, metric)
             row[f"{a} {label}"], row[f"{b} {label}"] = va, vb
             row[f"{short} ratio"] = ratio(va, vb)
+            if interval and metric != "vram":
+                with_interval(row, f"{short} ratio", interval(a, b, d, metric))
             if printed:
                 row[f"{short} printed"] = printed(None, d, metric)
         rows.append(row)
@@ -81,18 +93,30 @@ def layout_rows(depths: list[int], workloads: list[str], a: str, b: str, get: Ge
 
 
 def display(rows: list[dict]) -> list[dict]:
-    """Numbers formatted for people (ratios as 1.23x); strings (failures, notes) unchanged."""
+    """Numbers formatted for people (ratios as 1.23x, with their interval when the row has one: 1.23x (1.10–1.37));
+    strings (failures, notes) unchanged."""
     def f(col: str, v):
         if not isinstance(v, (int, float)) or isinstance(v, bool):
             return "" if v is None else v
         if isinstance(v, float) and math.isnan(v):
             return ""
         if col.endswith(("ratio", "printed")):
-            return f"{v:.2f}x" if abs(v) >= 0.1 else f"{v:.2g}x"
+            return f"{fmt_ratio(v)}x"
         if col == "n_cpu_moe" or isinstance(v, int):
             return str(v)
         return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
-    return [{k: f(k, v) for k, v in r.items()} for r in rows]
+
+    def fold(r: dict) -> dict:
+        out = {}
+        for k, v in r.items():
+            if k.endswith((" low", " high")) and k.rsplit(" ", 1)[0] in r:
+                continue
+            out[k] = f(k, v)
+            lo, hi = r.get(f"{k} low", math.nan), r.get(f"{k} high", math.nan)
+            if out[k] and lo == lo and hi == hi:
+                out[k] += f" ({fmt_ratio(lo)}–{fmt_ratio(hi)})"
+        return out
+    return [fold(r) for r in rows]
 
 
 def tables(df) -> list[tuple[str, list[dict]]]:
@@ -133,9 +157,11 @@ def hardware_rows(df, host: dict, model_meta: dict) -> list[dict]:
     ]
 
 
-def against_rows(df, a: str, b: str, measured: Getter, n_layers: int, measured_workloads: list[str]) -> list[dict]:
+def against_rows(df, a: str, b: str, measured: Getter, n_layers: int, measured_workloads: list[str],
+                 interval: Callable | None = None) -> list[dict]:
     """Per published depth x metric: published A, B and ratio next to measured a, b and ratio (a ~ TensorSharp,
-    b ~ llama.cpp). Depths beyond the measured model, or workloads not run, are named, not left blank."""
+    b ~ llama.cpp), with the measured ratio's interval (layout_rows' `interval`). Depths beyond the measured model,
+    or workloads not run, are named, not left blank."""
     ((_, rows),) = tables(df)
     unit = df.loc[df["metric"] == "peak_vram", "unit"].iloc[0]
     out = []
@@ -152,9 +178,12 @@ def against_rows(df, a: str, b: str, measured: Getter, n_layers: int, measured_w
                 note = "depth not in this run"
             elif metric == "vram" and unit != "MiB":
                 note = f"published VRAM is in {unit}, measured in MiB"
-            out.append({"n_cpu_moe": d, "metric": label, f"published {A}": r[f"{A} {label}"],
-                        f"published {B}": r[f"{B} {label}"], "published ratio": r[f"{label.split()[0]} ratio"],
-                        f"measured {a}": ma, f"measured {b}": mb, "measured ratio": ratio(ma, mb), "note": note})
+            row = {"n_cpu_moe": d, "metric": label, f"published {A}": r[f"{A} {label}"],
+                   f"published {B}": r[f"{B} {label}"], "published ratio": r[f"{label.split()[0]} ratio"],
+                   f"measured {a}": ma, f"measured {b}": mb, "measured ratio": ratio(ma, mb)}
+            if interval:
+                with_interval(row, "measured ratio", interval(a, b, d, metric) if metric != "vram" else None)
+            out.append(row | {"note": note})
     return out
 
 

@@ -106,6 +106,54 @@ def getter(cells, summary, stat: str):
     return get
 
 
+def steadiness_text(run: dict) -> str:
+    """The fixed bandwidth probe timed at the start of every round (run.json["steadiness"]) in one sentence: how much
+    the machine itself moved during the run, measured without the engines ('' for runs without it)."""
+    probes = [p for p in run.get("steadiness") or [] if p.get("read_gbps")]
+    if not probes:
+        return ""
+    gbps = [p["read_gbps"] for p in probes]
+    moved = (max(gbps) - min(gbps)) / max(gbps)
+    each = ", ".join(f"{p['when']} {p['read_gbps']:.1f}" for p in probes)
+    return (f"Memory read bandwidth (a fixed probe, one thread, at the start of each round): {each} GB/s: the "
+            f"machine's bandwidth moved {moved:.0%} during this run{' (steady)' if moved <= STEADY else ''}.")
+
+
+STEADY = 0.05       # the probe moving less than this: the machine was steady
+
+
+@dataclass
+class Intervals:
+    """intervals(a, b, depth, workload) -> harness.stats.RatioInterval of engine a over engine b at that depth, or
+    None when either cell is missing or failed; `units` collects what each interval resampled (for captions).
+    Round r of two cells of one run ran in the same stretch of time (interleaved rounds, or the turns of
+    --interleave), so their rounds pair."""
+    cells: object
+    meas: object
+    units: set = field(default_factory=set)
+
+    def _cell(self, engine: str, depth: int):
+        c = self.cells[(self.cells["engine"] == engine) & (self.cells["n_cpu_moe"] == depth)]
+        return c.iloc[-1] if len(c) and c.iloc[-1]["status"] == "ok" else None
+
+    def __call__(self, a: str, b: str, depth: int, workload: str):
+        from harness.stats import ratio_interval
+        from harness.store.results import round_groups
+
+        ca, cb = self._cell(a, depth), self._cell(b, depth)
+        if ca is None or cb is None:
+            return None
+        m = self.meas[self.meas["workload"] == workload]
+        ga, gb = (round_groups(m[m["cell_id"] == c["cell_id"]]) for c in (ca, cb))
+        iv = ratio_interval(ga, gb, paired=ca.get("run_id") == cb.get("run_id"))
+        if iv.unit:
+            self.units.add(f"{iv.n} {iv.unit}")
+        return iv
+
+    def describe(self) -> str:
+        return "t interval on log ratios over " + (" / ".join(sorted(self.units)) or "no samples")
+
+
 def _flat(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
@@ -232,9 +280,19 @@ def write_report(run_dirs: list[Path], out_dir: Path, engine_a: str | None = Non
     table = lambda rows, t, **f: rep.blocks.append(("table", P(t, f), rows))
     H(1, "moebench report: {runs}", runs=", ".join(r["run_id"] for r in runs))
     table(_runs_rows(runs), "Runs and hosts")
-    for r in runs:          # what an engine did differently on that host than asked (Engine.notes)
+    for r in runs:          # what an engine did differently on that host than asked (Engine.notes), and the machine
         for note in r.get("notes") or []:
             para("Note ({run}): {note}", run=r["run_id"], note=note)
+        if steadiness_text(r):
+            para("Steadiness ({run}): {text}", run=r["run_id"], text=steadiness_text(r))
+        if r.get("until"):
+            u = r["until"]
+            missed = [p for p in u["pairs"] if not p["reached"]]
+            para("--until ({run}): {rounds} rounds to bring every compared ratio within ±{target}; {n} of {total} got "
+                 "there ({why}).{missed}", run=r["run_id"], rounds=u["rounds"], target=f"{u['target']:.1%}",
+                 n=len(u["pairs"]) - len(missed), total=len(u["pairs"]), why=u["stopped_by"],
+                 missed="".join(f" Not reached: {p['a']} vs {p['b']} {p['workload']}, ±{p['half_width']:.1%}: "
+                                f"{p['why']}." for p in missed))
     if not any(r.get("host", {}).get("gpus") for r in runs):
         para("No GPU: VRAM not measured (the VRAM columns say so instead of showing zeros).")
     names = cells.groupby("model_name")["model_fingerprint"].nunique()
@@ -247,10 +305,13 @@ def write_report(run_dirs: list[Path], out_dir: Path, engine_a: str | None = Non
         H(2, "Model {m}", m=model)
         para("{arch}, {n} layers ({moe} MoE), fingerprint {fp}, file {path}.", arch=first["arch"],
              n=first["n_layers"], moe=first["n_moe_layers"], fp=first["model_fingerprint"], path=first["model"])
-        layout = published.layout_rows(depths, wls, a, b, getter(mcells, ms, "tps_median"))
+        layout = published.layout_rows(depths, wls, a, b, getter(mcells, ms, "tps_median"),
+                                       interval=(iv := Intervals(mcells, meas)))
         title = f"{model}: A = {a}, B = {b} (baseline); median tok/s; ratio = A / B"
         table(published.display(layout), "Published layout. A = {a}, B = {b} (baseline); throughput = median tok/s "
-              "over the repetitions; ratio = A / B; failed cells name their status.", a=a, b=b)
+              "over the repetitions; ratio = A / B with its 95% interval ({unit}); verdict: A faster, B faster, or "
+              "not distinguishable at this noise; failed cells name their status.", a=a, b=b,
+              unit=iv.describe())
         rep.tables.append((title, [{"model": model} | r for r in layout]))
         rep.layout += rep.tables[-1][1]
         fair = fairness_rows(mcells, meas, a, b, depths)
@@ -276,7 +337,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, engine_a: str | None = Non
                   speed=", ".join(f"round {k}: {v:.2f}" for k, v in speed.items()))
             rep.tables.append((f"{model}: rounds", rounds))
         stem = f"m{i}_"
-        figs = [*plots.throughput(ms, out_dir, stem), *plots.speedup(ms, b, out_dir, stem),
+        figs = [*plots.throughput(ms, out_dir, stem), *plots.speedup(ms, b, iv, out_dir, stem),
                 *plots.memory(ms, out_dir, stem)]
         for e, g in mcells[mcells["status"] == "ok"].groupby("engine"):
             c = g.sort_values("n_cpu_moe").iloc[-1]          # the most offloaded cell shows the most traffic
@@ -298,13 +359,15 @@ def _against(rep: Report, runs, mcells, ms, meas, a, b, model: str, revision: st
     model = df["model"].iloc[0]                       # the published spelling
     first = mcells.iloc[0]
     rows = published.against_rows(df, a, b, getter(mcells, ms, "tps_max"), int(first["n_layers"]),
-                                  [w for w in dict.fromkeys(meas["workload"]) if isinstance(w, str)])
+                                  [w for w in dict.fromkeys(meas["workload"]) if isinstance(w, str)],
+                                  Intervals(mcells, meas))
     hw = published.hardware_rows(df, runs[-1].get("host", {}),
                                  {"name": first["model_name"], "n_moe_layers": first["n_moe_layers"]})
     rep.blocks.append(("h", 2, P("Against published: {m} ({r})", {"m": model, "r": df["doc_revision"].iloc[0]})))
     rep.blocks.append(("table", P("Hardware and model: published vs this run"), hw))
     rep.blocks.append(("p", P("{a} stands for {A}, {b} for {B}. Measured throughput is the best of the repetitions, "
-                              "as published. Different hardware or model: compare ratios, not absolute numbers.",
+                              "as published; its interval is that of the typical ratio (mean of logs), as in every "
+                              "table. Different hardware or model: compare ratios, not absolute numbers.",
                               {"a": a, "b": b, "A": published.A, "B": published.B})))
     rep.blocks.append(("table", P("Measured vs published"), published.display(rows)))
     rep.tables += [(f"hardware: published vs this run ({model})", hw), (f"measured vs published: {model}", rows)]

@@ -14,6 +14,7 @@ COMMANDS = {   # name -> module under harness.cli, attribute
     "reproduce": ("reproduce", "reproduce"), "plan": ("plan", "plan"), "recommend": ("recommend", "recommend"),
     "probe": ("probe", "probe"), "compare": ("compare", "compare"), "history": ("history", "history"),
     "engines": ("engines", "engines"), "model": ("model", "model"), "tools": ("tools", "tools"),
+    "cache": ("cache", "cache"),
 }
 
 

@@ -14,7 +14,8 @@ from harness.cli.options import FORMAT, OUTPUT, split_list, user_errors
 @click.argument("cand")
 @click.option("--threshold", default="5%", show_default=True,
               help="Smallest relative change that counts (5% or 0.05).")
-@click.option("--alpha", default=0.01, show_default=True, type=float, help="Significance level of the rank test.")
+@click.option("--alpha", default=0.05, show_default=True, type=float,
+              help="1 - the interval's confidence level (0.05: the 95% interval every table prints).")
 @click.option("--metric", type=click.Choice(["tokens_per_s", "ns"]), default="tokens_per_s", show_default=True,
               help="tokens_per_s: higher is better; ns (time per repetition): lower is better.")
 @click.option("--ignore", default="", help="Key fields to leave out of cell matching, e.g. threads (comma list).")
@@ -41,7 +42,7 @@ def compare(base, cand, threshold, alpha, metric, ignore, fail_on_regression, re
         click.echo(head, err=True)
     insufficient = [r for r in result["cells"] if r["verdict"] == "insufficient data" and r["n_base"] and r["n_cand"]]
     if insufficient:
-        click.echo(f"insufficient data: {len(insufficient)} cell(s) have too few repetitions to judge "
-                   f"({insufficient[0]['note']}).", err=True)
+        click.echo(f"insufficient data: {len(insufficient)} cell(s) give no interval ({insufficient[0]['note']}).",
+                   err=True)
     if fail_on_regression and any(r["verdict"] in ("regression", "candidate failed") for r in result["cells"]):
         sys.exit(1)

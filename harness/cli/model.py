@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import click
 
+from engines.errors import UserError
 from harness.cli.options import FORMAT, user_errors
 
 
@@ -19,13 +20,22 @@ def model() -> None:
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--sparse", is_flag=True, help="Header and tensor table only, the data a hole (for `moebench plan` "
                                              "of the full-size models; no weights, no disk).")
+@click.option("--zipf", default=None, type=float,
+              help="Plant routing: expert popularity per layer Zipf with this exponent, experts tied to token "
+                   "clusters (token_id %% clusters); recorded as moebench.routing.* metadata. -m spelling: "
+                   "preset:NAME[:DTYPE]@zipf=S[@clusters=C].")
+@click.option("--clusters", default=0, type=int, help="With --zipf: token clusters (default min(4 experts, n_embd)).")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
 @user_errors
-def synth(preset, dtype, seed, sparse, output) -> None:
+def synth(preset, dtype, seed, sparse, zipf, clusters, output) -> None:
     """Write a deterministic random-weight MoE GGUF (same preset + seed = same bytes)."""
+    from workloads.planted import Planting
     from workloads.synth import synthesize
 
-    path = synthesize(preset, output, seed=seed, dtype=dtype, sparse=sparse)
+    if clusters and zipf is None:
+        raise UserError("--clusters plants routing only together with --zipf; add --zipf S (0 = uniform).")
+    routing = Planting(zipf, clusters) if zipf is not None else None
+    path = synthesize(preset, output, seed=seed, dtype=dtype, sparse=sparse, routing=routing)
     click.echo(f"wrote {path} ({path.stat().st_size / 2**20:,.1f} MiB{', sparse' if sparse else ''})")
 
 
@@ -48,7 +58,7 @@ def presets() -> None:
         rows.append({"preset": name, "arch": h.arch, "layers": h.n_layers, "n_embd": h.n_embd,
                      "experts": f"{h.n_expert_used}/{h.n_expert}", "dtype": p.dtype, "GiB": size / 2**30,
                      "reference engine": "no" if ARCHS[h.arch].unsupported else "yes"})
-    render(rows, title="presets (moebench model synth --preset NAME [--dtype D]; -m preset:NAME[:DTYPE])")
+    render(rows, title="presets (moebench model synth --preset NAME [--dtype D]; -m preset:NAME[:DTYPE][@zipf=S])")
 
 
 @model.command()

@@ -14,12 +14,14 @@ from harness.run.spec import ROUND_ORDERS
 
 @click.command()
 @click.option("-m", "--model", "models", multiple=True, default=["preset:small"], show_default=True,
-              help="GGUF file(s) or preset:NAME[:DTYPE] (synthesized once into the cache); repeat or comma-separate.")
+              help="GGUF file(s) or preset:NAME[:DTYPE][@zipf=S[@clusters=C]] (synthesized once into the cache; "
+                   "@zipf plants a skewed routing); repeat or comma-separate.")
 @click.option("-e", "--engines", default="llama-cpp,reference", show_default=True, help="Engines, comma-separated.")
 @click.option("--n-cpu-moe", "depths", default="0", show_default=True,
               help="Offload depths: layers whose routed experts stay in RAM; list of N and 'all'.")
 @click.option("--cpu-moe", is_flag=True, help="Offload the experts of all layers (same as --n-cpu-moe all).")
-@click.option("-w", "--workloads", default="pp4096,pp8192,tg128", show_default=True, help="ppN, tgN, ppN@dD, tgN@dD.")
+@click.option("-w", "--workloads", default="pp4096,pp8192,tg128", show_default=True,
+              help="ppN, tgN, ppN@dD, tgN@dD; a +corr suffix (pp512+corr) feeds a correlated token stream.")
 @click.option("-r", "--repetitions", default=5, show_default=True, type=int, help="Timed repetitions per workload.")
 @click.option("--threads", type=int, default=None, help="CPU threads (default: all cores).")
 @click.option("--n-ctx", type=int, default=None, help="Context size (default: what the largest workload needs).")
@@ -42,6 +44,19 @@ from harness.run.spec import ROUND_ORDERS
 @click.option("--no-host", "no_host", default=None, metavar="0,1",
               help="llama.cpp: bypass the host buffer type so extra buffer types can be used (llama-bench's "
                    "--no-host); a list runs a cell per value (default 0).")
+@click.option("--trace-routing", "trace_routing", is_flag=True,
+              help="Record each cell's routing (per forward pass and MoE layer: top-k expert ids and weights of "
+                   "each workload's first run) into <run dir>/traces/<cell>.npz; engines that cannot (all but "
+                   "reference) run as usual, with a note.")
+@click.option("--cache-mib", "cache_mib", default=None, metavar="MIB,...",
+              help="reference: MiB of accelerator memory caching experts of the offloaded layers (split over them by "
+                   "bytes; on a CPU-only host the slots are host memory); a list runs a cell per value (default 0).")
+@click.option("--cache-policy", "cache_policy", default=None, metavar="lru,lfu,classlru,static",
+              help="reference: the expert cache's policy; a list runs a cell per value (default lru; static pins the "
+                   "most used experts of --cache-static-trace).")
+@click.option("--cache-static-trace", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="reference: the routing trace (.npz, from --trace-routing) whose top experts per layer "
+                   "--cache-policy static pins.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Token ids and synthesized weights.")
 @click.option("--results-dir", type=click.Path(file_okay=False), default="results", show_default=True)
 @click.option("--resume", type=click.Path(file_okay=False), default=None, help="Continue results/<run_id>.")
@@ -56,6 +71,11 @@ from harness.run.spec import ROUND_ORDERS
 @click.option("--round-order", type=click.Choice(ROUND_ORDERS), default=ROUND_ORDERS[0],
               show_default=True, help="back-to-back: each cell's rounds one after the other (the order before "
                                       "rounds interleaved; to measure what interleaving buys).")
+@click.option("--until", default=None, metavar="PCT",
+              help="After the first rounds, run more rounds of the cells whose compared ratios are not yet precise, "
+                   "until every ratio's 95% interval is within ±PCT (e.g. 3%), or --max-rounds / --max-minutes.")
+@click.option("--max-rounds", type=int, default=10, show_default=True, help="With --until: rounds in all.")
+@click.option("--max-minutes", type=float, default=None, help="With --until: start no round after this long.")
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
               help="Run the cells on a Ray cluster: auto (RAY_ADDRESS or the local cluster) or ray://HOST:PORT.")
 @click.option("--per-node", is_flag=True, help="With --ray: every node runs every cell (compare hardware).")
@@ -66,16 +86,21 @@ from harness.run.spec import ROUND_ORDERS
 @OUTPUT
 @user_errors
 def sweep(models, engines, depths, cpu_moe, workloads, repetitions, threads, n_ctx, n_batch, n_ubatch, flash_attn,
-          timeout, sample_ms, cpu_moe_threads, moe_stream_min_batch, llama_bench, tensorsharp, repack, no_host, seed,
+          timeout, sample_ms, cpu_moe_threads, moe_stream_min_batch, llama_bench, tensorsharp, repack, no_host,
+          trace_routing, cache_mib, cache_policy, cache_static_trace, seed,
           results_dir,
-          resume, strict, interleave, rounds, round_order, ray_address, per_node, ray_nodes, fmt, output):
+          resume, strict, interleave, rounds, round_order, until, max_rounds, max_minutes, ray_address, per_node,
+          ray_nodes, fmt, output):
     """Run every engine x model x depth cell, each in its own process, and write tidy results."""
     from harness.run.progress import sweep_with_progress
     from harness.run.spec import SweepSpec
+    from harness.units import parse_fraction
     from workloads.synth import resolve_model
 
     extra = {k: v for k, v in {"cpu_moe_threads": cpu_moe_threads, "moe_stream_min_batch": moe_stream_min_batch}.items()
              if v is not None}
+    if cache_static_trace:       # absolute: the cells' workers run in the project root
+        extra["cache_static_trace"] = str(Path(cache_static_trace).expanduser().absolute())
     for key, path in (("llama_bench", llama_bench), ("tensorsharp", tensorsharp)):
         env = f"MOEBENCH_{key.upper()}"
         if path:   # kept in the spec; exported so the engines' availability check sees it too
@@ -89,13 +114,21 @@ def sweep(models, engines, depths, cpu_moe, workloads, repetitions, threads, n_c
                      repetitions=repetitions, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, flash_attn=flash_attn,
                      timeout_s=timeout, sample_ms=sample_ms, seed=seed, extra=extra, ray=ray_address,
                      per_node=per_node, ray_nodes=split_list(ray_nodes), rounds=rounds, round_order=round_order,
-                     knobs={k: split_list(v) for k, v in (("repack", repack), ("no_host", no_host)) if v},
+                     knobs={k: split_list(v) for k, v in (("repack", repack), ("no_host", no_host),
+                                                          ("cache_mib", cache_mib), ("cache_policy", cache_policy))
+                            if v}, trace_routing=trace_routing,
+                     until=parse_fraction(until, "--until") if until else None, max_rounds=max_rounds,
+                     max_minutes=max_minutes,
                      **({"threads": threads} if threads else {}))
     if interleave:
         from harness.run.interleave import run_interleaved
         if any(len(v) > 1 for v in spec.knobs.values()):
             raise UserError("--interleave takes exactly two engine specs; write the knobs into them (e.g. "
-                            "-e llama-cpp@repack=0,llama-cpp@repack=1) instead of listing --repack/--no-host values.")
+                            "-e llama-cpp@repack=0,llama-cpp@repack=1) instead of listing --repack/--no-host/--cache-* "
+                            "values.")
+        if until:
+            raise UserError("--until adds rounds to a sweep of rounds; --interleave pairs turns instead, so give it "
+                            "more --rounds, or drop --interleave.")
         run_dir, failed = run_interleaved(spec, Path(results_dir), Path(resume) if resume else None)
     else:
         run_dir, failed = sweep_with_progress(spec, Path(results_dir), Path(resume) if resume else None)
@@ -120,6 +153,7 @@ def every_cell_failed(run_dir: Path) -> bool:
 
 
 def show_run(run_dir: Path, fmt: str = "table", output: str | None = None) -> None:
+    from harness.analysis.report import steadiness_text
     from harness.analysis.tables import render
     from harness.stats import CV_WARN
     from harness.planning.roofline import annotate
@@ -153,8 +187,34 @@ def show_run(run_dir: Path, fmt: str = "table", output: str | None = None) -> No
         click.echo(f"note: {note}", err=True)
     render(rows, fmt, title=f"moebench {run['run_id']}", out=output,
            json_payload=results.llama_bench_records(run, cells, meas))
+    if fmt in ("table", "md") and not output:
+        ratios = ratio_rows(cells, meas)
+        if ratios:
+            render(ratios, fmt, title="ratios: A / B (baseline), median tok/s, 95% interval")
     if many_rounds:
         click.echo(rounds_note(run, summary, results.round_speed(meas)), err=True)
+    if steadiness_text(run):
+        click.echo(steadiness_text(run), err=True)
+
+
+def ratio_rows(cells, meas) -> list[dict]:
+    """Every engine over the baseline the report picks (llama-bench or llama-cpp first), per model, depth and
+    workload: the median ratio with its 95 % interval and verdict (harness.stats.ratio_interval)."""
+    from harness.analysis.report import Intervals, pick_engines
+
+    ok = cells[cells["status"] == "ok"]
+    if ok["engine"].nunique() < 2:
+        return []
+    _, b = pick_engines(sorted(ok["engine"].unique()), None, None)
+    get, rows = Intervals(ok, meas), []
+    for (name, depth), g in ok.groupby(["model_name", "n_cpu_moe"], sort=False):
+        for a in [e for e in dict.fromkeys(g["engine"]) if e != b]:
+            for wl in dict.fromkeys(meas.loc[meas["cell_id"].isin(g["cell_id"]), "workload"]):
+                iv = get(a, b, depth, wl)
+                if iv:
+                    rows.append({"model": name, "n_cpu_moe": depth, "workload": wl, "A / B": f"{a} / {b}",
+                                 "ratio (95% CI)": iv.text(), "verdict": iv.verdict, "over": f"{iv.n} {iv.unit}"})
+    return rows
 
 
 def _sweep_order(summary, spec: dict) -> list[int]:
@@ -175,6 +235,10 @@ def rounds_note(run: dict, summary, speed: dict[int, float]) -> str:
     info = run.get("rounds") or ({"order": "turns"} if run.get("interleave") else {})
     k = int(summary["rounds"].max())
     why = " (the default with more than one engine; --rounds 1 runs each cell once)" if info.get("default") else ""
+    if run.get("until"):
+        u = run["until"]
+        why = (f" ({len(info.get('sizes', []))} planned, then --until {u['target']:.1%} added rounds to the cells "
+               f"whose ratios were not yet precise: {u['stopped_by']})")
     order = {"interleaved": f"interleaved: every cell's round r before any cell's round r+1, order seed "
                             f"{info.get('seed')}", "back-to-back": "back-to-back: each cell's rounds in a row",
              "turns": "the two arms taking turns, a fresh pair of processes per round"}

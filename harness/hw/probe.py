@@ -43,6 +43,17 @@ def _summary(values: list[float], unit: str) -> dict:
     return stats(values) | {"unit": unit, "values": [round(v, 3) for v in values]}
 
 
+def steadiness(mib: int = 128, reps: int = 5) -> dict:
+    """The machine's memory read bandwidth right now, one thread, from numpy (no engine, no torch): the fixed probe
+    a sweep times at the start of every round, so a report can tell the machine's drift from the engines'.
+    128 MiB is larger than any L3 here and takes about 0.1 s in all; the best of `reps` reads."""
+    import numpy as np
+
+    x = np.ones(mib * 2**20 // 8)           # written: untouched pages would all map the zero page
+    best = min(_timed(x.sum, reps))
+    return {"at": datetime.now(timezone.utc).isoformat(), "read_gbps": round(x.nbytes / best / 1e9, 3)}
+
+
 def _matmul_gflops(torch, dtype, device: str, n: int, reps: int, sync) -> list[float]:
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)

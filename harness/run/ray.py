@@ -38,7 +38,7 @@ from typing import Any, Callable
 from engines.errors import UserError
 from harness.hw import host
 from harness.store import results
-from harness.run.runner import cell_row, log_path, run_cell
+from harness.run.runner import cell_row, log_path, run_cell, save_run_json
 from harness.run.spec import Cell, SweepSpec
 from workloads.synth import resolve_model
 
@@ -269,7 +269,7 @@ class Cluster:
         run = json.loads((run_dir / "run.json").read_text())
         labels = list(dict.fromkeys([*run.get("ray_per_node", []), *(self.labels[n["NodeID"]] for n in self.nodes)]))
         if labels != run.get("ray_per_node"):
-            _save_run_json(run_dir, run | {"ray_per_node": labels})
+            save_run_json(run_dir, run | {"ray_per_node": labels})
         return [dataclasses.replace(c, node=label) for label in labels for c in cells]
 
     def _drop(self, node: dict) -> None:
@@ -371,14 +371,8 @@ class Cluster:
         run.setdefault("ray_cells", {})[row["cell_id"]] = {
             "node": node["NodeID"], "host": node["NodeManagerHostname"], "address": node["NodeManagerAddress"],
             "started": out.get("started"), "ended": out.get("ended")}
-        _save_run_json(run_dir, run)
+        save_run_json(run_dir, run)
 
-
-def _save_run_json(run_dir: Path, run: dict) -> None:
-    """Replace run.json whole (written once per cell: a sweep killed mid-write must still --resume)."""
-    tmp = run_dir / "run.json.tmp"
-    tmp.write_text(json.dumps(run, indent=2, default=str))
-    os.replace(tmp, run_dir / "run.json")
 
 
 if __name__ == "__main__":      # python -m harness.run.ray --reap PID (started by run_on_node)

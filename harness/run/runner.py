@@ -53,8 +53,16 @@ def log_path(run_dir: Path, cell_id: str) -> Path:
     return run_dir / "logs" / (cell_id.replace("/", "_") + ".log")
 
 
-def _job(cell: Cell, spec: SweepSpec, gate: dict | None) -> dict:
-    return {"gate": gate, "engine": cell.engine, "model": str(cell.model), "settings": cell.settings.to_dict(),
+def trace_path(run_dir: Path, cell_id: str) -> Path:
+    """Where a cell's routing trace goes (--trace-routing): <run_dir>/traces/<cell file stem>.npz."""
+    return run_dir / "traces" / (cell_id.replace("/", "_") + ".npz")
+
+
+def _job(cell: Cell, spec: SweepSpec, gate: dict | None, run_dir: Path) -> dict:
+    settings = cell.settings.to_dict()
+    if spec.trace_routing and engine_class(cell.engine).routing_traces:
+        settings["extra"] = settings["extra"] | {"trace_routing": str(trace_path(run_dir, cell.cell_id).absolute())}
+    return {"gate": gate, "engine": cell.engine, "model": str(cell.model), "settings": settings,
             "workloads": spec.workloads, "repetitions": spec.repetitions, "warmup": spec.warmup,
             "seed": spec.seed, "n_vocab": cell.meta.n_vocab}
 
@@ -123,7 +131,7 @@ def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str,
     reader.start()
     timed_out = False
     try:
-        proc.stdin.write(json.dumps(_job(cell, spec, gate)).encode())
+        proc.stdin.write(json.dumps(_job(cell, spec, gate, run_dir)).encode())
         proc.stdin.close()
     except BrokenPipeError:
         pass
@@ -145,6 +153,8 @@ def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str,
 
     kinds = {m["type"]: m for m in msgs}
     loaded = kinds.get("loaded", {})
+    if "info" in kinds:        # what the engine reported after its last workload (counters) beats the one at load
+        loaded = loaded | {"info": kinds["info"]["info"]}
     if "done" in kinds:
         status, error = "ok", ""
     elif timed_out:
@@ -176,7 +186,7 @@ def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str,
                      "tokens_per_s": w.n_tokens / (m["ns"] / 1e9), "engine_ms": m.get("engine_ms"),
                      "n_ctx": s.n_ctx, "n_batch": s.n_batch, "n_ubatch": s.n_ubatch, "threads": s.threads,
                      "flash_attn": s.flash_attn, "peak_rss_mib": phase_peaks[wl][0],
-                         "peak_vram_mib": phase_peaks[wl][1]})
+                     "peak_vram_mib": phase_peaks[wl][1], "stream": m.get("stream", "")})
     sample_rows = [{"run_id": run_id, "cell_id": cell.cell_id, **x} for x in samples]
     return row, rows, sample_rows
 
@@ -250,10 +260,15 @@ def _hardware_profile() -> dict | None:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def engine_notes(engines: list[str]) -> list[str]:
-    """What the sweep's engines will do differently on this host than asked (Engine.notes), each said once here on
-    stderr and kept in run.json["notes"] for the summary and the report."""
-    notes = [n for e in dict.fromkeys(engines) for n in engine_class(e.split("@")[0]).notes()]
+def engine_notes(engines: list[str], trace_routing: bool = False) -> list[str]:
+    """What the sweep's engines will do differently on this host than asked (Engine.notes, and --trace-routing
+    where an engine cannot record routing), each said once here on stderr and kept in run.json["notes"] for the
+    summary and the report."""
+    names = list(dict.fromkeys(e.split("@")[0] for e in engines))
+    notes = [n for e in names for n in engine_class(e).notes()]
+    if trace_routing and (no := [e for e in names if not engine_class(e).routing_traces]):
+        notes.append(f"{', '.join(no)} cannot record routing traces (--trace-routing); only the reference engine's "
+                     f"cells have one, in traces/.")
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
     return notes
@@ -263,8 +278,26 @@ def write_run_json(run_dir: Path, spec: SweepSpec, **more) -> None:
     """run.json: the spec, host fingerprint, argv and hardware profile (plus `more`), before any cell runs."""
     run = {"schema_version": results.SCHEMA_VERSION, "run_id": run_dir.name, "spec": spec.to_dict(),
            "started": datetime.now(timezone.utc).isoformat(), "host": host.fingerprint(),
-           "argv": sys.argv, "hardware_profile": _hardware_profile(), "notes": engine_notes(spec.engines)} | more
+           "argv": sys.argv, "hardware_profile": _hardware_profile(),
+           "notes": engine_notes(spec.engines, spec.trace_routing)} | more
     (run_dir / "run.json").write_text(json.dumps(run, indent=2, default=str))
+
+
+def save_run_json(run_dir: Path, run: dict) -> None:
+    """Replace run.json whole (rewritten while a sweep runs: one killed mid-write must still --resume)."""
+    tmp = run_dir / "run.json.tmp"
+    tmp.write_text(json.dumps(run, indent=2, default=str))
+    os.replace(tmp, run_dir / "run.json")
+
+
+def probe_steadiness(run_dir: Path, when: str) -> None:
+    """Time the fixed memory-bandwidth probe (harness.hw.probe.steadiness) now and add it to
+    run.json["steadiness"] as `when` ("round 1", ..., "end"): the machine's drift, measured without the engines."""
+    from harness.hw.probe import steadiness
+
+    run = json.loads((run_dir / "run.json").read_text())
+    run.setdefault("steadiness", []).append({"when": when} | steadiness())
+    save_run_json(run_dir, run)
 
 
 def drop_unfinished(run_dir: Path) -> set[str]:

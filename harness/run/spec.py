@@ -5,7 +5,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from engines.base import EngineSettings, parse_depth
+from engines.base import ANY_WHOLE_NUMBER, EngineSettings, parse_depth
 from engines.errors import UserError
 from engines.gguf_meta import ModelMeta
 from engines.registry import check_available
@@ -34,6 +34,8 @@ class SweepSpec:
     extra: dict = field(default_factory=dict)   # engine-specific knobs, e.g. cpu_moe_threads
     knobs: dict = field(default_factory=dict)   # engine knobs crossed as lists, e.g. {"repack": ["0", "1"]}: every
                                                 # engine that takes a knob (Engine.knobs) runs a cell per value
+    trace_routing: bool = False             # engines that can (Engine.routing_traces) record a routing trace per
+                                            # cell into <run_dir>/traces/ (the runner names the file)
     ray: str | None = None                  # Ray address (auto | ray://host:port): cells run on the cluster
     per_node: bool = False                  # with ray: every node runs every cell
     ray_nodes: list[str] = field(default_factory=list)   # with ray: only these nodes (hostname, IP, node-id prefix)
@@ -42,6 +44,10 @@ class SweepSpec:
     round_order: str = "interleaved"        # interleaved: round 1 of every cell, then round 2 ...; back-to-back:
                                             # each cell's rounds one after the other (the old order, to compare)
     round_seed: int | None = None           # shuffles the order within each round; drawn and recorded when None
+    until: float | None = None              # --until: add rounds until every compared ratio's 95 % interval is
+                                            # within ±until (relative half-width), or max_rounds / max_minutes
+    max_rounds: int = 10                    # with until: rounds in all, the first ones included
+    max_minutes: float | None = None        # with until: no new round starts after this long
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -104,12 +110,14 @@ def expand(spec: SweepSpec) -> list[Cell]:
     for knob, values in spec.knobs.items():
         takes = [c for c in classes.values() if knob in c.knobs]
         if not takes:
+            who = "-e reference" if knob.startswith("cache_") else "-e llama-cpp or llama-bench"
             raise UserError(f"None of the engines in -e ({', '.join(spec.engines)}) takes --{knob.replace('_', '-')}; "
-                            f"drop it or add an engine that does (llama.cpp's knobs: -e llama-cpp or llama-bench).")
+                            f"drop it or add an engine that does ({who}).")
+        allowed = takes[0].knobs[knob]
         for v in values:
-            if str(v) not in takes[0].knobs[knob]:
+            if not (str(v).isdigit() if allowed == ANY_WHOLE_NUMBER else str(v) in allowed):
                 raise UserError(f"--{knob.replace('_', '-')} {v!r} is not valid; use "
-                                f"{', '.join(takes[0].knobs[knob])}.")
+                                f"{'a whole number' if allowed == ANY_WHOLE_NUMBER else ', '.join(allowed)}.")
     n_ctx = spec.n_ctx or max(w.n_ctx_needed for w in workloads)
     if n_ctx < max(w.n_ctx_needed for w in workloads):
         raise UserError(f"--n-ctx {n_ctx} is smaller than the largest workload needs "

@@ -18,13 +18,15 @@ import dataclasses
 import json
 import random
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
 from engines.errors import UserError
 from harness.run.ray import Cluster
 from harness.run.runner import (ROUNDS_DIR, drop_rounds, drop_unfinished, join_rounds, load_rounds, new_run_dir,
-                                prepare_run_dir, round_sizes, run_cell, save_round, write_run_json)
+                                prepare_run_dir, probe_steadiness, round_sizes, run_cell, save_round, save_run_json,
+                                write_run_json)
 from harness.run.spec import Cell, SweepSpec, default_rounds, expand
 from harness.store import results
 from harness.store.history import index_run      # every finished run is indexed into <results-dir>/history.sqlite
@@ -80,7 +82,13 @@ def run_sweep(spec: SweepSpec, results_dir: Path, resume: Path | None = None,
     if spec.ray or spec.per_node or spec.ray_nodes:   # connect first: a missing Ray or cluster leaves no run directory
         if (spec.rounds or 1) > 1:
             raise UserError("--rounds does not apply to --ray sweeps (each node runs a cell once); drop --rounds.")
+        if spec.until:
+            raise UserError("--until adds rounds, which --ray sweeps do not have; drop --until.")
         cluster = Cluster.connect(spec)
+    if spec.until and not any(len({c.engine + c.variant for c in cells if (c.model, c.depth) == (x.model, x.depth)}) > 1
+                              for x in cells):
+        raise UserError("--until makes the ratios between engines precise, and this sweep compares none; "
+                        "pass two or more engines (or knob values), or drop --until.")
     sizes, plan, steps = schedule(cells, spec)
     run_dir = resume or new_run_dir(results_dir, spec)
     prepare_run_dir(run_dir)
@@ -101,25 +109,79 @@ def run_sweep(spec: SweepSpec, results_dir: Path, resume: Path | None = None,
         return run_dir
     parts = {c.cell_id: load_rounds(run_dir, c.cell_id) for c in cells if c.cell_id not in done}
     steps = [(r, c) for r, c in steps if c.cell_id in parts and r >= len(parts[c.cell_id])]
-    ended: set[str] = set()                    # cells whose last round ran, or that failed in a round
-    i, n = 0, len(steps)
+    ended: set[str] = set()                    # cells whose rows are written: last round ran, or one failed
+
+    def finish(cell: Cell) -> None:
+        results.append_cell(run_dir, *join_rounds(parts[cell.cell_id]))
+        drop_rounds(run_dir, cell.cell_id)
+        ended.add(cell.cell_id)
+
+    def run_round(r: int, cell: Cell, reps: int) -> dict:
+        got = parts[cell.cell_id]
+        got.append(run_cell(cell, dataclasses.replace(spec, repetitions=reps), run_dir, run_dir.name))
+        if got[-1][0]["status"] != "ok" or (len(got) == len(sizes) and not spec.until):   # a failed round ends it
+            finish(cell)
+        else:
+            save_round(run_dir, cell.cell_id, r, got[-1])
+        return got[-1][0]
+
+    i, n, current = 0, len(steps), None
     for r, cell in steps:
         if cell.cell_id in ended:
             continue
-        got = parts[cell.cell_id]
-        got.append(run_cell(cell, dataclasses.replace(spec, repetitions=sizes[r]), run_dir, run_dir.name))
-        row = got[-1][0]
-        if row["status"] != "ok" or len(got) == len(sizes):     # a failed round ends its cell
-            results.append_cell(run_dir, *join_rounds(got))
-            drop_rounds(run_dir, cell.cell_id)
-            ended.add(cell.cell_id)
-            n -= len(sizes) - len(got)            # its rounds that will not run
-        else:
-            save_round(run_dir, cell.cell_id, r, got[-1])
+        if r != current:
+            probe_steadiness(run_dir, f"round {r + 1}")
+            current = r
+        row = run_round(r, cell, sizes[r])
+        if cell.cell_id in ended:
+            n -= len(sizes) - len(parts[cell.cell_id])      # its rounds that will not run
         i += 1
         if on_cell:
             on_cell(cell, row | {"round": r + 1, "rounds": len(sizes)}, i, n)
+    if spec.until:
+        _until(spec, cells, parts, ended, sizes, run_dir, run_round, on_cell)
+        for cell in cells:
+            if cell.cell_id in parts and cell.cell_id not in ended:
+                finish(cell)
+    probe_steadiness(run_dir, "end")
     if (run_dir / ROUNDS_DIR).is_dir() and not any((run_dir / ROUNDS_DIR).iterdir()):
         (run_dir / ROUNDS_DIR).rmdir()
     index_run(run_dir)
     return run_dir
+
+
+def _until(spec: SweepSpec, cells: list[Cell], parts: dict, ended: set, sizes: list[int], run_dir: Path,
+           run_round: Callable, on_cell) -> None:
+    """--until: while a compared ratio's interval is wider than the target, another interleaved round of the cells
+    in such pairs (up to spec.max_rounds rounds in all, none started after spec.max_minutes); then say in
+    run.json["until"] (and on stderr) how many rounds it took and which pairs did not get there, and why."""
+    from harness.run.precision import imprecise, pairs
+
+    t0, k = time.monotonic(), len(sizes)
+    while True:
+        need = {x for p in imprecise(pairs(cells, parts), spec.until) for x in (p.a, p.b)} - ended
+        out_of_time = spec.max_minutes is not None and time.monotonic() - t0 > 60 * spec.max_minutes
+        if not need or k >= spec.max_rounds or out_of_time:
+            break
+        probe_steadiness(run_dir, f"round {k + 1}")
+        todo = round_plan([c for c in cells if c.cell_id in need], k + 1, spec.round_seed or 0)[k]
+        for j, cell in enumerate(todo):
+            row = run_round(len(parts[cell.cell_id]), cell, sizes[0])
+            if on_cell:
+                on_cell(cell, row | {"round": k + 1, "rounds": k + 1}, j + 1, len(todo))
+        k += 1
+    final = pairs(cells, parts)
+    unmet = imprecise(final, spec.until)
+    why = ("no compared pair has every round ok" if not final else "target reached" if not unmet else
+           f"max rounds ({spec.max_rounds})" if k >= spec.max_rounds else f"max minutes ({spec.max_minutes:g})")
+    report = {"target": spec.until, "rounds": k, "stopped_by": why,
+              "pairs": [{"a": p.a, "b": p.b, "workload": p.workload, "half_width": p.half_width, "rounds": p.rounds,
+                         "reached": p.half_width <= spec.until, **({"why": p.why()} if p in unmet else {})}
+                        for p in final]}
+    run = json.loads((run_dir / "run.json").read_text())
+    save_run_json(run_dir, run | {"until": report})
+    print(f"--until {spec.until:.1%}: {k} rounds; {len(final) - len(unmet)} of {len(final)} compared ratios within "
+          f"±{spec.until:.1%} ({why})", file=sys.stderr)
+    for p in unmet:
+        print(f"  not reached: {p.a} vs {p.b} {p.workload}: ±{p.half_width:.1%} after {p.rounds} rounds; {p.why()}",
+              file=sys.stderr)

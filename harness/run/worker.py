@@ -16,7 +16,7 @@ from pathlib import Path
 from engines.base import EngineSettings
 from engines.registry import engine_class
 from workloads.grammar import parse_workload
-from workloads.tokens import workload_tokens
+from workloads.tokens import stream_source, workload_tokens
 
 
 class Channel:
@@ -73,12 +73,16 @@ def run_job(job: dict, ch: Channel) -> None:
         timed = engine.measure(w, job["repetitions"], job["warmup"], job["seed"])
         if timed is not None:      # an external binary timed itself; there is no second clock to compare
             for rep, ns in enumerate(timed):
-                ch.emit("rep", workload=name, rep=rep, ns=ns, engine_ms=float("nan"))
+                ch.emit("rep", workload=name, rep=rep, ns=ns, engine_ms=float("nan"), stream="random")
             continue
-        depth_tokens, tokens = workload_tokens(w, job["n_vocab"], job["seed"])
+        depth_tokens, tokens = workload_tokens(w, job["n_vocab"], job["seed"], job["model"])
+        source = stream_source(w, job["model"])      # random | text | repeats: what each row records
         for rep in range(-job["warmup"], job["repetitions"]):
             ch.emit("phase", phase=name if rep >= 0 else f"warmup:{name}")
             turn.wait()
+            first = rep == -job["warmup"]       # a routing trace keeps each workload's first run (the same
+            if first:                            # tokens route the same way in every run)
+                engine.trace_segment(name, depth_tokens + tokens, getattr(w, "stream", "random"))
             engine.reset()
             if depth_tokens:
                 engine.prefill(depth_tokens)   # untimed: brings the cache to depth D
@@ -91,8 +95,15 @@ def run_job(job: dict, ch: Channel) -> None:
                     engine.decode(t)
             ns = time.perf_counter_ns() - start
             turn.post()
+            if first:
+                engine.trace_segment(None)
             if rep >= 0:
-                ch.emit("rep", workload=name, rep=rep, ns=ns, engine_ms=_delta(engine.counters(), before))
+                ch.emit("rep", workload=name, rep=rep, ns=ns, engine_ms=_delta(engine.counters(), before),
+                        stream=source)
+    try:              # after the workloads: what the engine did, its counters too (expert cache); optional
+        ch.emit("info", info=engine.info().to_dict())
+    except Exception:
+        pass
     ch.emit("phase", phase="close")
     turn.wait()
     engine.close()

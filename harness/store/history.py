@@ -49,6 +49,14 @@ class CellSamples:
     error: str
     tokens_per_s: list[float] = field(default_factory=list)
     ns: list[float] = field(default_factory=list)
+    process: list[str] = field(default_factory=list)   # per sample: the process that measured it, "<run_id>/<round>"
+
+    def groups(self, metric: str) -> dict[str, list[float]]:
+        """The metric's samples by process (harness.stats.ratio_interval's units)."""
+        out: dict[str, list[float]] = {}
+        for p, v in zip(self.process, getattr(self, metric)):
+            out.setdefault(p, []).append(v)
+        return out
 
     @property
     def key_text(self) -> str:
@@ -78,7 +86,8 @@ def load_cells(run_dir: str | Path) -> list[CellSamples]:
             rows = [m for m in meas if m["workload"] == wl]
             out.append(CellSamples(run.get("run_id", run_dir.name), arm, key, clean_text(c["model_name"]), c["depth"],
                                    c["engine_version"], c["status"], c.get("error", ""),
-                                   [float(m["tokens_per_s"]) for m in rows], [float(m["ns"]) for m in rows]))
+                                   [float(m["tokens_per_s"]) for m in rows], [float(m["ns"]) for m in rows],
+                                   [f"{run.get('run_id', run_dir.name)}/{m.get('round') or 1}" for m in rows]))
     return out
 
 

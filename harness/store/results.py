@@ -34,8 +34,9 @@ CELL_COLUMNS = [
 MEASUREMENT_COLUMNS = [
     "run_id", "cell_id", "engine", "model_name", "model_fingerprint", "n_cpu_moe", "workload", "n_prompt",
     "n_gen", "n_depth", "rep", "ns", "tokens_per_s", "engine_ms", "n_ctx", "n_batch", "n_ubatch", "threads",
-    "flash_attn", "peak_rss_mib", "peak_vram_mib", "round",
-]   # round: 1, 2, ... (--rounds: each round of a cell is one process); empty in runs written before it
+    "flash_attn", "peak_rss_mib", "peak_vram_mib", "round", "stream",
+]   # round: 1, 2, ... (--rounds: each round of a cell is one process); empty in runs written before it.
+# stream: the token stream's source (workloads.tokens.SOURCES: random | text | repeats); empty in older runs
 SAMPLE_COLUMNS = [
     "run_id", "cell_id", "t_ms", "phase", "rss_mib", "rss_anon_mib", "rss_file_mib", "pss_mib",
     "vram_proc_mib", "vram_device_mib",
@@ -177,6 +178,14 @@ def round_split(g) -> dict:
     within = float(((by.var(ddof=1).fillna(0) * (by.count() - 1)).sum() / dof) ** 0.5) if dof else nan
     return {"rounds": len(means), "tps_cv_rounds": float(means.std(ddof=1) / means.mean()) if len(means) > 1 else nan,
             "tps_cv_within": within / grand if grand else nan}
+
+
+def round_groups(g) -> dict:
+    """One cell x workload's tok/s by the process that measured them, {round: [tok/s, ...]} (g: its measurement
+    rows): what harness.stats.ratio_interval resamples. Runs written before rounds were recorded: one group."""
+    if "round" not in g or g["round"].isna().all():
+        return {1: list(g["tokens_per_s"])}
+    return {int(k): list(v) for k, v in g.groupby("round")["tokens_per_s"]}
 
 
 def round_speed(measurements) -> dict[int, float]:

@@ -6,7 +6,7 @@ back, its tensors (GGUF name -> role and shape rule), its synthesizer presets, a
 it. The reference model and its loader, the synthesizer (workloads.synth) and `moebench plan` all read this
 table, so an architecture's tensors are spelled once. Adding an architecture = one module here (found by
 this package on import: every module's ARCHS list), its forward-pass differences (a model class in
-engines/reference/), a synth preset.
+engines/reference/models/), a synth preset.
 
 The source of truth for every rule is llama.cpp (src/models/<arch>.cpp, src/llama-model.cpp).
 """

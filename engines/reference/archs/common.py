@@ -122,7 +122,7 @@ class Arch:
     tensors: tuple[TensorRule, ...]
     parse: Callable[[ModelMeta], Hparams]          # metadata -> validated hyperparameters
     write_metadata: Callable[[object, Hparams], None]   # (gguf.GGUFWriter, h): every key llama.cpp needs
-    model: str = "engines.reference.model:Transformer"  # module:class of its forward pass (torch)
+    model: str = "engines.reference.models.transformer:Transformer"  # module:class of its forward pass (torch)
     activation: str = "silu"                       # the routed experts' gated activation (offload.Activation)
     unsupported: str = ""                          # the reference engine does not run it: which part is missing
     # the synthesizer's values and type for tensors that are not plain weights (an index table, a scale that

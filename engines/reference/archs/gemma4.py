@@ -1,5 +1,5 @@
 """gemma4 (gemma-4-26B-A4B; GGUF arch "gemma4", llama.cpp src/models/gemma4.cpp): tensors, hyperparameters,
-metadata and presets. The forward pass is engines/reference/gemma4.py.
+metadata and presets. The forward pass is engines/reference/models/gemma4.py.
 
 What differs from the common MoE transformer: two kinds of layers (sliding_window_pattern) with their own head
 size, kv heads and RoPE (sliding: base rope.freq_base_swa, full rotary; full: rope.freq_base with the
@@ -246,7 +246,7 @@ def kv_layout(h: Gemma4Hparams) -> list[tuple[int, int, int]]:
                                                                         h.head_dim_full) for i in range(h.n_layers)]
 
 
-ARCHS = [Arch(ARCH, FEATURES, TENSORS, parse, write_metadata, model="engines.reference.gemma4:Gemma4",
+ARCHS = [Arch(ARCH, FEATURES, TENSORS, parse, write_metadata, model="engines.reference.models.gemma4:Gemma4",
               activation="gelu", synth_tensor=synth_tensor, kv_layout=kv_layout)]
 
 

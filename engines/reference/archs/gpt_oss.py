@@ -1,5 +1,5 @@
 """gpt-oss (GGUF arch "gpt-oss", llama.cpp LLM_ARCH_OPENAI_MOE, src/models/openai-moe.cpp): tensors,
-hyperparameters, metadata and presets. The forward pass is engines/reference/gpt_oss.py.
+hyperparameters, metadata and presets. The forward pass is engines/reference/models/gpt_oss.py.
 
 What differs from the common MoE transformer: sliding-window attention on some layers (even ones by default)
 with a window that counts the query itself, one learned sink logit per head in every attention softmax, YaRN
@@ -142,7 +142,7 @@ def synth_tensor(name: str, shape: tuple[int, ...], rng, h: GptOssHparams):
 
 FEATURES = frozenset({"rope_neox", "yarn", "qkv_bias", "attn_out_bias", "attn_sinks", "sliding_window",
                       "router_bias", "softmax_weight", "expert_bias", "swiglu_oai"})
-ARCHS = [Arch(ARCH, FEATURES, T, parse, write_metadata, model="engines.reference.gpt_oss:GptOss",
+ARCHS = [Arch(ARCH, FEATURES, T, parse, write_metadata, model="engines.reference.models.gpt_oss:GptOss",
               activation="swiglu_oai", synth_tensor=synth_tensor)]
 
 

@@ -3,7 +3,7 @@ full-attention layers (every full_attention_interval-th layer), MoE with a gated
 layer, and optional MTP blocks at the end of the file that the main graph never runs.
 
 Source of truth: llama.cpp src/models/qwen35moe.cpp (hparams :4-34, tensors :36-147), create_tensor_qkv and
-create_tensor_gate_up_exps (src/llama-model.cpp:3379-3436); the math is in engines/reference/qwen35moe.py.
+create_tensor_gate_up_exps (src/llama-model.cpp:3379-3436); the math is in engines/reference/models/qwen35moe.py.
 """
 from __future__ import annotations
 
@@ -269,7 +269,7 @@ def state_bytes(h: Qwen35Hparams) -> int:
 ARCHS = [Arch("qwen35moe",
               frozenset({"deltanet", "gated_attention", "partial_rope", "imrope", "rope_neox", "qk_norm_head",
                          "norm_topk", "shared_expert_gated", "mtp_blocks"}),
-              TENSORS, parse, write_metadata, model="engines.reference.qwen35moe:Qwen35MoE",
+              TENSORS, parse, write_metadata, model="engines.reference.models.qwen35moe:Qwen35MoE",
               synth_tensor=synth_tensor, kv_layout=kv_layout, state_bytes=state_bytes)]
 
 

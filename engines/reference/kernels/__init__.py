@@ -4,7 +4,9 @@ and the fused one-token steps of the common transformer block.
 quant.cpp (products, pybind), quant_types.h (per ggml type a bit-exact dequant_row and a dot against
 1..NX activation rows), quant_act.h (x converted to the weight type's ggml vec_dot_type: f32, f16,
 bf16, Q8_0, Q8_1 or Q8_K, with ggml's own rounding), quant_simd.h (SIMD helpers), decode.h (attention
-and routing of one token, one call each). Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
+and routing of one token, one call each), quant_x8.h / quant_x8_q6.h (Q4_K and Q6_K with 8 rows interleaved:
+QTensor layout "x8", made at load by weights.Holder through repack, host_layout says where). Types: F32,
+F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
 MXFP4, Q4_K, Q5_K, Q6_K, IQ4_XS. A product multiplies exactly the int8 values and scales ggml's x86
 dots multiply (only the order of the float additions differs), so the engine's logits follow
 llama.cpp's to ~1e-5 on quantized files.
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 from engines import devices
-from engines.reference.qtensor import QTensor
+from engines.reference.qtensor import LAYOUT_TYPES, LAYOUTS, QTensor
 
 SOURCE = Path(__file__).with_name("quant.cpp")
 # -ffp-contract=off: no mul + add fused behind our back, so dequant rounds exactly as ggml and gguf-py do
@@ -48,9 +50,22 @@ X_FORMATS = ("F32", "F16", "BF16", "Q8_0", "Q8_1", "Q8_K")    # quant_act.h XFmt
 # already at n = 3..4 for F16 and BF16 weights (nothing to gain from int8 there); F32's f32 rows kernel
 # loses to the f32 GEMM past n = 32. With an f32 GEMM forced on avx512 (bf16=False) its quantized rows
 # kernel stays ahead, as on avx2.
+# The x8 layout's rows kernel (8 weight rows per load, vpdpbusd over 16 rows on avx512) keeps ahead of
+# oneDNN's bf16 GEMM up to ~128 rows (2 threads of a Xeon with AMX, 1536 x 2048 Q4_K: 450 against 540
+# GFLOP/s at n = 128, 410 against 240 at n = 32).
 ROWS_MAX_N = {"avx2": {"F32": 32, "F16": 32, "BF16": 32, "quant": 1 << 62},
-              "avx512": {"F32": 32, "F16": 3, "BF16": 2, "quant": 32}}
+              "avx512": {"F32": 32, "F16": 3, "BF16": 2, "quant": 32, "x8": 128}}
 ROWS_MAX_N_F32_GEMM = {"F32": 32, "F16": 32, "BF16": 32, "quant": 1 << 62}
+
+
+def host_layout(qt: QTensor) -> str:
+    """The layout the CPU kernels want a stored matrix (or expert stack) in, to be made once at load:
+    "x8" for Q4_K and Q6_K in whole groups of 8 rows (quant_x8.h, quant_x8_q6.h: 8 or 16 rows per int8
+    dot instruction), else "ggml" (as stored)."""
+    for name, types in LAYOUT_TYPES.items():
+        if qt.type in types and qt.n_rows % LAYOUTS[name][0] == 0 and qt.k % 256 == 0:
+            return name
+    return "ggml"
 
 
 def missing_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:
@@ -148,14 +163,27 @@ class QuantKernels:
         the rows kernel sees it. bf16: the GEMM's dtype, None = the variant's (bf16 on avx512, f32 on
         avx2); True rounds x, the weights and the results to bf16."""
         raw, _, code, n, k = _arg(qt, "weight")
-        rows_max_n = self.rows_max(qt.type, bf16) if rows_max_n is None else rows_max_n
+        rows_max_n = self.rows_max(qt.type, bf16, qt.layout) if rows_max_n is None else rows_max_n
         y = self.ext.matmul(raw, 0, code, n, k, x, rows_max_n, -1 if bf16 is None else int(bf16))
         return y.reshape(*x.shape[:-1], n)
 
-    def rows_max(self, ggml_type: str, bf16: bool | None) -> int:
-        """The most activation rows a product with a weight of this type gives the rows kernel (ROWS_MAX_N)."""
+    def repack(self, qt: QTensor, layout: str, out: torch.Tensor | None = None) -> QTensor:
+        """qt with its bytes in `layout` ("ggml" or a key of LAYOUTS): a new tensor, written into `out`
+        (uint8, qt's size; e.g. huge pages) when given; qt itself when already in that layout. A
+        permutation of the bytes: repacking back gives the file's bytes."""
+        qt.validate()
+        if layout == qt.layout:
+            return qt
+        new = QTensor(qt.raw, qt.type, qt.shape, layout)
+        out = torch.empty_like(qt.raw) if out is None else out
+        self.ext.repack(qt.raw, qt.code, new.code, qt.raw.numel() // qt.row_bytes, qt.k, out)
+        return new.with_raw(out)
+
+    def rows_max(self, ggml_type: str, bf16: bool | None, layout: str = "ggml") -> int:
+        """The most activation rows a product with a weight of this type (and layout) gives the rows kernel
+        (ROWS_MAX_N)."""
         limits = ROWS_MAX_N[self.isa] if (self.ext.BF16_GEMM if bf16 is None else bf16) else ROWS_MAX_N_F32_GEMM
-        return limits.get(ggml_type, limits["quant"])
+        return limits.get(layout, limits["quant"]) if layout != "ggml" else limits.get(ggml_type, limits["quant"])
 
     def dequant(self, qt: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The values of qt (any shape, rows of K) as f32 or bf16: bit-exact ggml/gguf-py dequantization
@@ -216,7 +244,8 @@ class QuantKernels:
             raise ValueError(f"moe_prefill: x (n, {D}), integer ids and w (n, k), got x {tuple(x.shape)}, "
                              f"ids {tuple(ids.shape)}, w {tuple(w.shape)}")
         return self.ext.moe_prefill(x, ids, w, E, ff, *stacks, ACTIVATIONS[act], alpha, limit, gate_bias, up_bias,
-                                    down_bias, self.rows_max(gate.type, bf16), self.rows_max(down.type, bf16),
+                                    down_bias, self.rows_max(gate.type, bf16, gate.layout),
+                                    self.rows_max(down.type, bf16, down.layout),
                                     -1 if bf16 is None else int(bf16))
 
     def fused(self, features: frozenset[str]) -> "FusedDecode | None":

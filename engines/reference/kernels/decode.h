@@ -3,7 +3,7 @@
 // not by the weight bytes: preset:small q4_k_m reads ~45 MB a token, ~0.65 ms at the machine's
 // bandwidth, against ~2.6 ms a token through the ATen ops): the routed experts (moe_decode: gate/up
 // products, activation, down products and the weighted sum, for any architecture), and the attention
-// and the routing of the common MoE transformer block (engines/reference/model.py Transformer). The
+// and the routing of the common MoE transformer block (engines/reference/models/transformer.py Transformer). The
 // products are quant.cpp's (x converted to each weight's vec_dot_type once), so fused and unfused
 // decode agree to float rounding. What the block steps implement is kernels.FUSED_FEATURES: RoPE NEOX
 // or NORM, q/k norms per head or over the whole projection, qkv biases, renormalized top-k, and the
@@ -83,11 +83,12 @@ void experts_into(Acts& xa, const int64_t* id, const float* wt, int64_t K, const
   const XRow* xg = xa.rows(gate.kern->fmt);
   const XRow* xu = xa.rows(up.kern->fmt);
   std::vector<float> h(K * 2 * ff);
-  at::parallel_for(0, K * 2 * ff, grain(gate.rb), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
+  const int64_t G = std::max(gate.kern->group, up.kern->group);      // whole groups of an interleaved layout
+  at::parallel_for(0, K * 2 * ff / G, std::max<int64_t>(1, grain(gate.rb) / G), [&](int64_t b, int64_t e) {
+    for (int64_t r = b * G; r < e * G; r += G) {
       const int64_t j = r / (2 * ff), i = r % (2 * ff);
-      if (i < ff) gate.kern->dot[0](gate.row(i, id[j]), gate.k, xg, h.data() + r);
-      else up.kern->dot[0](up.row(i - ff, id[j]), up.k, xu, h.data() + r);
+      if (i < ff) row_dots(gate.expert(id[j]), i, i + G, xg, h.data() + r);
+      else row_dots(up.expert(id[j]), i - ff, i - ff + G, xu, h.data() + r);
     }
   });
   std::vector<float> a(K * ff);         // (K, ff) activations, the down products' x rows
@@ -96,10 +97,10 @@ void experts_into(Acts& xa, const int64_t* id, const float* wt, int64_t K, const
             a.data() + j * ff, ff);
   Acts aa(a.data(), K, ff);
   const XRow* xd = aa.rows(down.kern->fmt);
-  at::parallel_for(0, D, grain(K * down.rb), [&](int64_t b, int64_t e) {
+  for_rows(down, grain(K * down.rb), [&](int64_t b, int64_t e) {
     std::vector<float> t(e - b);
     for (int64_t j = 0; j < K; ++j) {         // expert by expert: each a sequential stream of rows b..e
-      for (int64_t d = b; d < e; ++d) down.kern->dot[0](down.row(d, id[j]), ff, xd + j, t.data() + d - b);
+      row_dots(down.expert(id[j]), b, e, xd + j, t.data());
       for (int64_t d = b; d < e; ++d) out[d] += wt[j] * (t[d - b] + (db ? db[id[j] * D + d] : 0.f));
     }
   });
@@ -329,7 +330,10 @@ at::Tensor attn_decode(at::Tensor x, std::optional<at::Tensor> attn_norm, double
   Acts ha(h.data(), 1, D);
   const Weight* mats[3] = {&wq, &wk, &wv};
   const XRow* xr[3];
-  for (int m = 0; m < 3; ++m) xr[m] = ha.rows(mats[m]->kern->fmt);     // every format before the threads start
+  for (int m = 0; m < 3; ++m) {
+    TORCH_CHECK_VALUE(mats[m]->kern->group == 1, "attention weights in the file's layout");
+    xr[m] = ha.rows(mats[m]->kern->fmt);     // every format before the threads start
+  }
   const int64_t starts[4] = {0, qd, qd + kvd, qd + 2 * kvd};
   at::parallel_for(0, starts[3], grain((wq.rb + wk.rb) / 2), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {

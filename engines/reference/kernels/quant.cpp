@@ -13,13 +13,19 @@
 #include <utility>
 #include <vector>
 
-#include "quant_ktypes.h"
+#include "quant_x8_q6.h"
 
 namespace {
 using namespace qk;
 
 using DotFn = void (*)(const uint8_t*, int64_t, const XRow*, float*);
 using RowFn = void (*)(const uint8_t*, int64_t, float*);
+// interleaved layouts (quant_x8.h): a group of G rows times n x rows -> out[r * ldo + lane]; one row of a group
+using GroupDotFn = void (*)(const uint8_t*, int64_t, const XRow*, float*, int64_t);
+using LaneFn = void (*)(const uint8_t*, int, int64_t, float*);
+using PackFn = void (*)(const uint8_t*, int64_t, int64_t, uint8_t*);        // 8 file rows (rb apart), K -> a group
+using UnpackFn = void (*)(const uint8_t*, int, int64_t, uint8_t*);          // a group's row lane, K -> file bytes
+constexpr int GNX = 4;      // x rows a group kernel takes at once (its accumulators fill the registers)
 
 // Activation rows one weight row is multiplied with at once: the accumulators fill 16 registers
 // (avx2), 32 (avx512).
@@ -30,34 +36,55 @@ constexpr int NX_MAX = 4;
 #endif
 
 // A ggml type's kernels: dot[n - 1] multiplies a row with n = 1..NX_MAX activation rows in format fmt.
+// An interleaved layout (group > 1 rows stored together, quant_x8.h) has gdot[n - 1] for a group times
+// n = 1..GNX x rows and lane (one row of a group as f32) instead; bytes is then a row's share of a group.
 struct Kernel {
   int64_t qk, bytes;
   XFmt fmt;
   DotFn dot[NX_MAX];
   RowFn dequant_row;
+  int64_t group = 1;
+  GroupDotFn gdot[GNX] = {};
+  LaneFn lane = nullptr;
+  GroupDotFn gdot2[GNX] = {};       // two adjacent groups at once (avx512: one zmm of 16 rows), or null
+  PackFn pack = nullptr;
+  UnpackFn unpack = nullptr;
 };
 
 template <class T, size_t... N> Kernel kernel(std::index_sequence<N...>) {
   return {T::QK, T::BYTES, T::FMT, {&T::template dot<N + 1>...}, &T::dequant_row};
 }
 template <class T> Kernel kernel() { return kernel<T>(std::make_index_sequence<NX_MAX>()); }
+template <class T, size_t... N> Kernel group_kernel(std::index_sequence<N...>) {
+#ifdef __AVX512F__
+  return {T::QK, T::BYTES, T::FMT, {}, nullptr, T::G, {&T::template dot<N + 1>...}, &T::dequant_lane,
+          {&T::template dot2<N + 1>...}, &T::pack, &T::unpack};
+#else
+  return {T::QK, T::BYTES, T::FMT, {}, nullptr, T::G, {&T::template dot<N + 1>...}, &T::dequant_lane, {}, &T::pack,
+          &T::unpack};
+#endif
+}
 
 enum : int64_t { GGML_F32 = 0, GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
                  GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_IQ4_NL = 20, GGML_IQ4_XS = 23, GGML_BF16 = 30,
-                 GGML_MXFP4 = 39 };
+                 GGML_MXFP4 = 39,
+                 // interleaved layouts: LAYOUT_X8 + the ggml type (engines/reference/qtensor.py LAYOUTS)
+                 LAYOUT_X8 = 1000, GGML_Q4_K_X8 = LAYOUT_X8 + GGML_Q4_K, GGML_Q6_K_X8 = LAYOUT_X8 + GGML_Q6_K };
 
 const Kernel& kernel_of(int64_t type) {
   static const Kernel f32 = kernel<F32>(), f16 = kernel<F16>(), bf16 = kernel<BF16>(), q8_0 = kernel<Units<Q8_0>>(),
       q4_0 = kernel<Units<Q4_0>>(), q4_1 = kernel<Units<Q4_1>>(), q5_0 = kernel<Units<Q5_0>>(),
       q5_1 = kernel<Units<Q5_1>>(), iq4_nl = kernel<Units<IQ4_NL>>(), mxfp4 = kernel<Units<MXFP4>>(),
       q4_k = kernel<KUnits<Q4_K>>(), q5_k = kernel<KUnits<Q5_K>>(), q6_k = kernel<KUnits<Q6_K>>(),
-      iq4_xs = kernel<KUnits<IQ4_XS>>();
+      iq4_xs = kernel<KUnits<IQ4_XS>>(), q4_k_x8 = group_kernel<Q4_K_X8>(std::make_index_sequence<GNX>()),
+      q6_k_x8 = group_kernel<Q6_K_X8>(std::make_index_sequence<GNX>());
   switch (type) {
     case GGML_F32: return f32;       case GGML_F16: return f16;       case GGML_BF16: return bf16;
     case GGML_Q8_0: return q8_0;     case GGML_Q4_0: return q4_0;     case GGML_Q4_1: return q4_1;
     case GGML_Q5_0: return q5_0;     case GGML_Q5_1: return q5_1;     case GGML_IQ4_NL: return iq4_nl;
     case GGML_MXFP4: return mxfp4;   case GGML_Q4_K: return q4_k;     case GGML_Q5_K: return q5_k;
-    case GGML_Q6_K: return q6_k;     case GGML_IQ4_XS: return iq4_xs;
+    case GGML_Q6_K: return q6_k;     case GGML_IQ4_XS: return iq4_xs; case GGML_Q4_K_X8: return q4_k_x8;
+    case GGML_Q6_K_X8: return q6_k_x8;
   }
   TORCH_CHECK_VALUE(false, "unsupported ggml type ", type);
 }
@@ -84,6 +111,8 @@ Weight weight(const at::Tensor& raw, int64_t off, int64_t type, int64_t n, int64
   TORCH_CHECK_VALUE(off <= have && (n == 0 || rb <= (have - off) / n) &&
                     (count == 1 || stride <= (have - off - n * rb) / (count - 1)),
                     "weight: ", count, " x ", n, " rows of ", rb, " bytes at offset ", off, " do not fit in ", have, " bytes");
+  TORCH_CHECK_VALUE(kern.group == 1 || (n % kern.group == 0 && off % (kern.group * rb) == 0 && stride % (kern.group * rb) == 0),
+                    "an interleaved layout of ", kern.group, " rows needs whole groups, got ", n, " rows");
   return {&kern, type, raw.data_ptr<uint8_t>() + off, n, k, rb, stride};
 }
 
@@ -131,12 +160,36 @@ at::Tensor f32_rows(const at::Tensor& x, int64_t k, const char* what) {
   return x.reshape({-1, k}).contiguous();
 }
 
+// groups r0.. (whole groups up to r1) times n <= GNX x rows: out[i * ldo + r - r0], two groups at a time where
+// the kernel has gdot2
+inline void group_dots(const Weight& w, int64_t r0, int64_t r1, const XRow* x, int64_t n, float* out, int64_t ldo) {
+  const Kernel& kn = *w.kern;
+  const int64_t g = kn.group;
+  int64_t r = r0;
+  if (kn.gdot2[0])
+    for (; r + 2 * g <= r1; r += 2 * g) kn.gdot2[n - 1](w.row(r), w.k, x, out + r - r0, ldo);
+  for (; r < r1; r += g) kn.gdot[n - 1](w.row(r), w.k, x, out + r - r0, ldo);
+}
+
+// out[r - r0] = W row r . x, r in [r0, r1) (whole groups of an interleaved layout)
+void row_dots(const Weight& w, int64_t r0, int64_t r1, const XRow* x, float* out) {
+  const Kernel& kn = *w.kern;
+  if (kn.group == 1)
+    for (int64_t r = r0; r < r1; ++r) kn.dot[0](w.row(r), w.k, x, out + r - r0);
+  else
+    group_dots(w, r0, r1, x, 1, out, 1);
+}
+
+// parallel_for over the rows of w in whole groups: f(first row, end row)
+template <class F> void for_rows(const Weight& w, int64_t grain_rows, const F& f) {
+  const int64_t g = w.kern->group;
+  at::parallel_for(0, w.n / g, std::max<int64_t>(1, grain_rows / g), [&](int64_t b, int64_t e) { f(b * g, e * g); });
+}
+
 // out[r] = W row r . x, r in [0, w.n): one activation row, split over the threads by weight bytes
 void matvec_into(const Weight& w, Acts& a, float* out) {
   const XRow* xr = a.rows(w.kern->fmt);
-  at::parallel_for(0, w.n, grain(w.rb), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) w.kern->dot[0](w.row(r), w.k, xr, out + r);
-  });
+  for_rows(w, grain(w.rb), [&](int64_t b, int64_t e) { row_dots(w, b, e, xr, out + b); });
 }
 
 // y (n_rows) = W x: x (k) f32
@@ -150,18 +203,26 @@ at::Tensor matvec(at::Tensor raw, int64_t off, int64_t type, int64_t n_rows, int
   return y;
 }
 
+// One row of w as f32 (any layout)
+void dequant_row(const Weight& w, int64_t r, float* y) {
+  const int64_t g = w.kern->group;
+  if (g == 1) w.kern->dequant_row(w.row(r), w.k, y);
+  else w.kern->lane(w.row(r - r % g), (int)(r % g), w.k, y);
+}
+
 // rows r0..r0+n-1 of W into out (n, k) f32 or bf16, contiguous: bit-exact ggml dequantize_row_*
 // (bf16: those f32 values rounded to nearest even).
+
 void dequant_rows(const Weight& w, int64_t r0, int64_t n, at::Tensor& out) {
   const bool bf = out.scalar_type() == at::kBFloat16;
   at::parallel_for(0, n, grain(w.rb), [&](int64_t b, int64_t e) {
     std::vector<float> tmp(bf ? w.k : 0);
     for (int64_t r = b; r < e; ++r) {
       if (!bf) {
-        w.kern->dequant_row(w.row(r0 + r), w.k, out.data_ptr<float>() + r * w.k);
+        dequant_row(w, r0 + r, out.data_ptr<float>() + r * w.k);
         continue;
       }
-      w.kern->dequant_row(w.row(r0 + r), w.k, tmp.data());
+      dequant_row(w, r0 + r, tmp.data());
       to_bf16(tmp.data(), (uint16_t*)out.data_ptr<at::BFloat16>() + r * w.k, w.k);
     }
   });
@@ -183,9 +244,29 @@ at::Tensor embed(at::Tensor raw, int64_t off, int64_t type, int64_t n_rows, int6
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK_VALUE(id[i] >= 0 && id[i] < n_rows, "id ", id[i], " out of range");
   auto out = at::empty({n, k}, at::TensorOptions().dtype(at::kFloat));
   at::parallel_for(0, n, grain(w.rb), [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) w.kern->dequant_row(w.row(id[i]), k, out.data_ptr<float>() + i * k);
+    for (int64_t i = b; i < e; ++i) dequant_row(w, id[i], out.data_ptr<float>() + i * k);
   });
   return out;
+}
+
+// n_rows rows of k values (whole groups) from layout `from` in src to layout `to` in out: a ggml type and
+// its interleaved layout (kernel_of codes: Q4_K, Q6_K <-> LAYOUT_X8 + them), a permutation of the bytes
+void repack(at::Tensor src, int64_t from, int64_t to, int64_t n_rows, int64_t k, at::Tensor out) {
+  const bool pack = to == from + LAYOUT_X8;
+  TORCH_CHECK_VALUE((pack || from == to + LAYOUT_X8) && (pack ? to : from) >= LAYOUT_X8 && kernel_of(pack ? to : from).pack,
+                    "repack: a type to its x8 layout or back, not ", from, " to ", to);
+  TORCH_CHECK_VALUE(out.is_cpu() && out.scalar_type() == at::kByte && out.dim() == 1 && out.is_contiguous(), "out: uint8 CPU");
+  const Kernel& il = kernel_of(pack ? to : from);
+  const int64_t G = il.group;
+  TORCH_CHECK_VALUE(n_rows % G == 0, "repack: ", n_rows, " rows are not whole groups of ", G);
+  const Weight a = weight(src, 0, from, n_rows, k), b = weight(out, 0, to, n_rows, k);
+  TORCH_CHECK_VALUE(a.n * a.rb == src.numel() && b.n * b.rb == out.numel(), "repack: src and out must hold exactly the rows");
+  at::parallel_for(0, n_rows / G, grain(G * a.rb), [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      if (pack) il.pack(a.row(G * g), a.rb, k, (uint8_t*)b.row(G * g));
+      else for (int lane = 0; lane < G; ++lane) il.unpack(a.row(G * g), lane, k, (uint8_t*)b.row(G * g + lane));
+    }
+  });
 }
 
 // Whether matmul's GEMM runs in bf16 by default: oneDNN's bf16 GEMM (avx512_bf16; ~4x ATen's f32 GEMM here)
@@ -200,6 +281,12 @@ const bool BF16_GEMM = false;
 // every x group passes by, so x (n k bytes, past L2 for large n) is read (r1 - r0) / ROWS times, not r1 - r0.
 void rows_block(const Weight& w, int64_t r0, int64_t r1, const XRow* xr, int64_t n, float* out, int64_t ldo) {
   const int64_t ROWS = 16;
+  if (w.kern->group > 1) {      // interleaved: groups of rows times GNX x rows at once
+    for (int64_t b = r0; b < r1; b += ROWS)
+      for (int64_t i = 0; i < n; i += GNX)
+        group_dots(w, b, std::min(r1, b + ROWS), xr + i, std::min<int64_t>(GNX, n - i), out + i * ldo + b, ldo);
+    return;
+  }
   float y[NX_MAX];
   for (int64_t b = r0; b < r1; b += ROWS)
     for (int64_t i = 0; i < n; i += NX_MAX) {
@@ -264,7 +351,7 @@ at::Tensor matmul(at::Tensor raw, int64_t off, int64_t type, int64_t n_rows, int
   const XRow* xr = a.rows(x_format(w, rows, st));
   auto out = at::empty({n, n_rows}, x.options());
   if (rows)
-    at::parallel_for(0, w.n, std::max<int64_t>(1, grain(w.rb) / n), [&](int64_t b, int64_t e) {
+    for_rows(w, std::max<int64_t>(1, grain(w.rb) / n), [&](int64_t b, int64_t e) {
       rows_block(w, b, e, xr, n, out.data_ptr<float>(), n_rows);
     });
   else
@@ -328,6 +415,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matvec", &matvec);
   m.def("matmul", &matmul);
   m.def("dequant", &dequant);
+  m.def("repack", &repack);
   m.def("embed", &embed);
   m.def("moe_decode", &moe_decode);
   m.def("moe_prefill", &moe_prefill);

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engines.reference.model import Transformer, apply_rope, kv_window, route, shared_expert
+from engines.reference.models.transformer import Transformer, apply_rope, kv_window, route, shared_expert
 
 CHUNK = 64   # llama.cpp's DeltaNet chunk for a per-head gate (delta-net-base.cpp:61); the result does not depend on it
 
@@ -201,7 +201,7 @@ class Qwen35MoE(Transformer):
         Vc[:, pos:end] = v.reshape(n, Hkv, hd).transpose(0, 1)
         K, V = kv_window(Kc, Vc, 0, end)                                           # (Hkv, end, hd)
         q = q.to(K.dtype)
-        if n == 1:   # decode: batched matmuls (model.attention: 10x faster than SDPA for one query on CPU)
+        if n == 1:   # decode: batched matmuls (transformer.attention: 10x faster than SDPA for one query on CPU)
             att = torch.softmax((q.view(Hkv, H // Hkv, hd) @ K.transpose(1, 2)).float() * hd ** -0.5, dim=-1)
             o = (att.to(V.dtype) @ V).reshape(1, cfg.q_dim)                        # head j reads kv head j // (H/Hkv)
         else:        # query i at pos+i sees keys 0..pos+i

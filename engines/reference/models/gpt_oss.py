@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from engines.reference.archs.gpt_oss import GptOssHparams
-from engines.reference.model import Transformer, apply_rope, kv_window
+from engines.reference.models.transformer import Transformer, apply_rope, kv_window
 
 BETA_FAST, BETA_SLOW = 32.0, 1.0      # llama.cpp's YaRN defaults; gpt-oss's GGUF keys for them are not read
 
 
 def yarn_tables(h: GptOssHparams, base: float, n_ctx: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (n_ctx, 1, hd) f32 in model.apply_rope's NEOX layout, exactly as ggml's rope cache computes them
+    """cos, sin (n_ctx, 1, hd) f32 in transformer.apply_rope's NEOX layout, exactly as ggml's rope cache computes them
     in f32 (ops.cpp ggml_rope_cache_init / rope_yarn, ggml.c ggml_rope_yarn_corr_dims; parameters from
     llama-context.cpp:165-214): theta_i = pos * theta_scale^i by repeated f32 multiplication; YaRN blends
     freq_scale * theta (pairs past `high`) with theta (pairs up to `low`) linearly and multiplies cos and sin

@@ -22,13 +22,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engines.reference.model import Transformer, apply_rope, kv_window, route
+from engines.reference.models.transformer import Transformer, apply_rope, kv_window, route
 from engines.reference.offload import Activation
 
 
 def rope_cache(n_ctx: int, n_rot: int, base: float, freq_scale: float = 1.0,
                factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (n_ctx, n_rot) f32 in model.apply_rope's NEOX layout (cos = [c, c], sin = [-s, s]), the angles
+    """cos, sin (n_ctx, n_rot) f32 in transformer.apply_rope's NEOX layout (cos = [c, c], sin = [-s, s]), the angles
     as ggml computes them (ops.cpp ggml_rope_cache_init / rope_yarn without YaRN): theta_0 = pos, theta_i =
     theta_{i-1} * powf(base, -2/n_rot) in float32, then theta_i / factors[i] * freq_scale. A factor of 1e30
     (gemma4's rope_freqs beyond the rotated quarter) leaves its pair unrotated (cos 1, sin ~0)."""
