@@ -93,6 +93,14 @@ class Engine(ABC):
         """One-time work on this machine (e.g. compiling kernels), called by the harness before it starts
         a cell of this engine, so that no cell's load time or peak memory includes it. Default: none."""
 
+    @classmethod
+    def runtime(cls) -> None:
+        """Import what load() needs (its runtime), so that the RSS floor the worker records before load() counts
+        the runtime and not the model: a PyTorch engine's runtime alone holds hundreds of MiB that a C++ engine's
+        does not, and the fair memory figure is the peak above that floor. Nothing model-specific, and safe to
+        run before load() in the same process. Default: nothing (an external binary's runtime then counts above
+        the floor)."""
+
     @abstractmethod
     def load(self, model: Path, s: EngineSettings) -> None: ...
 

@@ -102,6 +102,16 @@ class LlamaCppEngine(Engine):
         return None
 
     @classmethod
+    def runtime(cls) -> None:
+        """The library (libllama, libggml) and llama_backend_init, which load() calls too: it starts ggml's timer,
+        fills its f16 tables and loads the ggml backends, each only once per process, so load()'s second call
+        does nothing new (Engine.runtime)."""
+        import llama_cpp as L
+
+        _capture_log(L)          # anything it says goes to the log list load() clears, not to the cell's stderr
+        L.llama_backend_init()
+
+    @classmethod
     def version(cls) -> str:
         try:
             return metadata.version("llama_cpp_python")

@@ -21,6 +21,15 @@ def stats(values) -> dict:
             "min": float(a.min()) if n else float("nan"), "max": float(a.max()) if n else float("nan")}
 
 
+def within_cv(*groups: Mapping) -> float:
+    """Pooled spread of the samples within their groups (one group: one process), as the standard deviation of
+    their logarithms (about the CV): the noise a process adds, before processes and time differ. NaN without a
+    group of two or more."""
+    logs = [x for g in groups for x in _logs(g).values() if len(x) > 1]
+    dof = sum(len(x) - 1 for x in logs)
+    return math.sqrt(sum(((x - x.mean()) ** 2).sum() for x in logs) / dof) if dof else math.nan
+
+
 # --- ratios with their uncertainty: the one definition every table, report, plot, compare and --until uses --------
 
 LEVEL = 0.95

@@ -132,3 +132,43 @@ def test_parse_size():
     assert parse_size("512MiB") == 512 * 2**20 and parse_size("1.5G") == int(1.5 * GiB) and parse_size("4096") == 4096
     with pytest.raises(UserError, match="--vram"):
         parse_size("16 parsecs", "--vram")
+
+
+def test_trace_adds_an_expert_cache_in_the_vram_left_free(meta, tmp_path):
+    """recommend --trace: each feasible depth gets a cache of the VRAM it leaves free, replayed on the trace; decode
+    routed to experts {0, 1} only is nearly all hits once two experts per host layer fit."""
+    import numpy as np
+
+    from engines.routing import FORMAT, Trace, save_trace
+
+    L, E, k = len(meta.moe_layers), meta.n_expert, 2
+    per_expert = meta.expert_bytes() // (L * E)
+    T = 64
+    ids = np.tile(np.array([0, 1], np.int16), (T, L, 1))
+    header = {"format": FORMAT, "model": meta.name, "fingerprint": meta.fingerprint, "arch": meta.arch,
+              "n_layers": meta.n_layers, "moe_layers": list(meta.moe_layers), "n_expert": E, "k": k,
+              "expert_bytes": [per_expert] * L, "n_cpu_moe": meta.n_layers, "n_ubatch": 512, "segments": ["tg64"],
+              "streams": ["random"], "token_hash": [""]}
+    save_trace(tmp_path / "t.npz", Trace(header, ids, np.ones(ids.shape, np.float16), np.arange(T, dtype=np.int32),
+                                         np.arange(T, dtype=np.int32), np.ones(T, np.uint8), np.zeros(T, np.int16)))
+    p, _ = rec(meta)
+    cache = 3 * per_expert * L
+    vram = p.at(meta.n_layers).accel_bytes + cache
+    out = moebench("recommend", "-m", meta.path, "--vram", str(vram), "--ram", "64GiB", "--ctx", "256", "--margin",
+                   "0", "--trace", tmp_path / "t.npz", "--format", "json")
+    assert out.returncode == 0, out.stderr
+    js = json.loads(out.stdout)
+    rows = {d["n_cpu_moe"]: d for d in js["depths"]}
+    deepest = rows[meta.n_layers]["cache"]
+    assert deepest["cache_mib"] == pytest.approx(cache / 2**20) and deepest["hit_rate"] >= 0.9
+    fits = [d["cache"] for d in js["depths"] if d["fits"]]
+    assert all(d["cache"] is None for d in js["depths"] if not d["fits"])
+    assert js["cache"]["pick"]["host_mb_per_token"] == min(c["host_mb_per_token"] for c in fits)
+    t = moebench("recommend", "-m", meta.path, "--vram", str(vram), "--ram", "64GiB", "--ctx", "256", "--margin", "0",
+                 "--trace", tmp_path / "t.npz")
+    assert t.returncode == 0 and "MiB of cache" in t.stdout and "cache hit" in t.stdout
+    header["fingerprint"] = "0" * 16
+    save_trace(tmp_path / "other.npz", Trace(header, ids, np.ones(ids.shape, np.float16), np.arange(T, dtype=np.int32),
+                                             np.arange(T, dtype=np.int32), np.ones(T, np.uint8), np.zeros(T, np.int16)))
+    bad = moebench("recommend", "-m", meta.path, "--vram", str(vram), "--trace", tmp_path / "other.npz")
+    assert bad.returncode == 2 and "another model file" in bad.stderr and "Traceback" not in bad.stderr

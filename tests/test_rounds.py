@@ -163,7 +163,7 @@ def _meas(values: dict[int, list[float]], cell: str = "c", workload: str = "pp8"
 def test_spread_splits_between_rounds_and_within_a_process():
     drift = results.round_split(_meas({1: [99, 101], 2: [109, 111], 3: [89, 91]}))
     assert drift["rounds"] == 3 and abs(drift["tps_cv_rounds"] - 0.1) < 1e-9
-    assert abs(drift["tps_cv_within"] - (2 ** 0.5) / 100) < 1e-9
+    assert abs(drift["tps_cv_within"] / (2 ** 0.5 / 100) - 1) < 0.02    # the SD of logs: about the CV
     steady = results.round_split(_meas({1: [90, 110], 2: [91, 109], 3: [90, 110]}))
     assert steady["tps_cv_rounds"] < 0.01 < steady["tps_cv_within"]
     one = results.round_split(_meas({1: [1, 2, 3]}))

@@ -90,3 +90,44 @@ def test_rounds_run_a_cell_in_fresh_processes(tiny, tmp_path):
     r = moebench("sweep", "-m", tiny, "-e", "llama-cpp", "-w", "pp8", "--rounds", "2", "--ray", "auto",
                  "--results-dir", tmp_path)
     assert r.returncode == 2 and "--rounds does not apply to --ray" in r.stderr
+
+
+def _idle_rss_mib(code: str) -> float:
+    """VmRSS (MiB) of a fresh Python process that ran `code` and now waits on stdin."""
+    from harness.run.sampler import _proc_kib
+
+    p = subprocess.Popen([sys.executable, "-c", f"{code}\nimport sys; print(flush=True); sys.stdin.read()"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT)
+    try:
+        p.stdout.readline()                        # `code` has run
+        return _proc_kib(p.pid, "status", ("VmRSS",))["VmRSS"] / 1024
+    finally:
+        p.communicate(b"")
+
+
+def test_rss_floor_holds_the_engine_runtime(tiny, tmp_path):
+    """A reference cell's floor (the worker's RSS before load, Engine.runtime imported) holds torch: it is at least
+    most of what importing torch adds to a bare Python; the model and its buffers come on top of it."""
+    r = moebench("sweep", "-m", tiny, "-e", "reference", "-w", "pp16", "-r", "1", "--threads", "2",
+                 "--results-dir", tmp_path)
+    assert r.returncode == 0, r.stderr
+    c = pd.read_csv(run_dir_of(r) / "cells.csv").iloc[0]
+    floor, peak = c["rss_floor_mib"], c["peak_rss_mib"]
+    assert c["status"] == "ok" and 0 < floor < peak
+    assert abs(c["peak_rss_above_floor_mib"] - (peak - floor)) < 1e-3
+    bare, with_torch = _idle_rss_mib("pass"), _idle_rss_mib("import torch")
+    assert floor > bare + 0.9 * (with_torch - bare), (floor, bare, with_torch)
+
+
+def test_rounds_keep_the_largest_rss_above_floor_with_its_floor():
+    """Each round is a process with its own floor: the joined cell keeps the round that grew most above its own
+    floor, and that round's floor, not the largest floor or the round with the largest peak."""
+    from harness.run.runner import join_rounds
+
+    def part(floor: float, peak: float) -> tuple:
+        return ({"status": "ok", "error": "", "wall_s": 1.0, "peak_rss_mib": peak, "peak_vram_mib": float("nan"),
+                 "rss_floor_mib": floor, "peak_rss_above_floor_mib": peak - floor}, [], [])
+
+    row, _, _ = join_rounds([part(300.0, 1000.0), part(100.0, 900.0), part(float("nan"), 950.0)])
+    assert row["peak_rss_mib"] == 1000.0
+    assert (row["rss_floor_mib"], row["peak_rss_above_floor_mib"]) == (100.0, 800.0)

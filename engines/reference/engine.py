@@ -77,6 +77,18 @@ class ReferenceEngine(Engine):
                        cwd=Path(__file__).resolve().parents[2], capture_output=True)
 
     @classmethod
+    def runtime(cls) -> None:
+        """torch, the modules load() imports, and the compiled CPU kernels (the extension .so and the OpenMP
+        runtime it links): what every model needs, so the RSS floor holds them (Engine.runtime). A kernel
+        failure is left to load(), which says why."""
+        import engines.reference.models.transformer  # noqa: F401
+        import engines.reference.offload  # noqa: F401
+        import engines.reference.weights  # noqa: F401
+        from engines.reference import kernels
+
+        kernels.quant_kernels()
+
+    @classmethod
     def version(cls) -> str:
         import torch
         return f"{VERSION}+torch{torch.__version__}"

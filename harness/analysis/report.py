@@ -90,13 +90,18 @@ def reason(cell) -> str:
     return f"{cell['status']} ({err[:80]}{'...' if len(err) > 80 else ''})" if err else str(cell["status"])
 
 
+def last_cell(cells, engine: str, depth: int):
+    """The cell of engine at depth (the last one run), or None."""
+    c = cells[(cells["engine"] == engine) & (cells["n_cpu_moe"] == depth)]
+    return c.iloc[-1] if len(c) else None
+
+
 def getter(cells, summary, stat: str):
     """get(engine, depth, metric) for published.layout_rows: a number, or why there is none."""
     def get(engine: str, depth: int, metric: str):
-        c = cells[(cells["engine"] == engine) & (cells["n_cpu_moe"] == depth)]
-        if c.empty:
+        c = last_cell(cells, engine, depth)
+        if c is None:
             return "not run"
-        c = c.iloc[-1]
         if c["status"] != "ok":
             return reason(c)
         if metric == "vram":
@@ -131,17 +136,20 @@ class Intervals:
     cells: object
     meas: object
     units: set = field(default_factory=set)
-
-    def _cell(self, engine: str, depth: int):
-        c = self.cells[(self.cells["engine"] == engine) & (self.cells["n_cpu_moe"] == depth)]
-        return c.iloc[-1] if len(c) and c.iloc[-1]["status"] == "ok" else None
+    _memo: dict = field(default_factory=dict)          # the layout table and the speedup plot ask the same cells
 
     def __call__(self, a: str, b: str, depth: int, workload: str):
+        key = (a, b, depth, workload)
+        if key not in self._memo:
+            self._memo[key] = self._interval(*key)
+        return self._memo[key]
+
+    def _interval(self, a: str, b: str, depth: int, workload: str):
         from harness.stats import ratio_interval
         from harness.store.results import round_groups
 
-        ca, cb = self._cell(a, depth), self._cell(b, depth)
-        if ca is None or cb is None:
+        ca, cb = last_cell(self.cells, a, depth), last_cell(self.cells, b, depth)
+        if ca is None or cb is None or ca["status"] != "ok" or cb["status"] != "ok":
             return None
         m = self.meas[self.meas["workload"] == workload]
         ga, gb = (round_groups(m[m["cell_id"] == c["cell_id"]]) for c in (ca, cb))
@@ -258,7 +266,8 @@ def _summary_rows(summary) -> list[dict]:
     return [{"engine": r.engine, "n_cpu_moe": r.n_cpu_moe, "workload": r.workload,
              "status": r.status if r.status == "ok" else reason(r._asdict()), "median tok/s": r.tps_median,
              "std": r.tps_std, "cv %": 100 * r.tps_cv, "min": r.tps_min, "max": r.tps_max, "n": r.tps_n,
-             "peak RAM MiB": r.peak_rss_mib, "peak VRAM MiB": r.peak_vram_mib}
+             "peak RAM MiB": r.peak_rss_mib, "RAM above floor MiB": r.peak_rss_above_floor_mib,
+             "peak VRAM MiB": r.peak_vram_mib}
             for r in summary.sort_values(["engine", "n_cpu_moe"], kind="stable").itertuples()]
 
 
@@ -390,8 +399,8 @@ def to_markdown(rep: Report) -> str:
 
 CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px;color:#222}
 table{border-collapse:collapse;font-size:13px;margin:.5em 0 1.5em}th,td{border:1px solid #ccc;padding:3px 8px;
-text-align:right}th{background:#f2f2f2}.scroll{overflow-x:auto}figure{margin:1em 0}img{max-width:100%}
-figcaption{font-size:12px;color:#666}"""
+text-align:right}td{white-space:nowrap}th{background:#f2f2f2}.scroll{overflow-x:auto}figure{margin:1em 0}
+img{max-width:100%}figcaption{font-size:12px;color:#666}"""
 
 
 def to_html(rep: Report) -> str:

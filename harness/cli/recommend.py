@@ -22,10 +22,16 @@ from harness.planning.recommend import OBJECTIVES
 @click.option("--margin", default="1GiB", show_default=True, help="VRAM kept free on top of the plan.")
 @click.option("--engine", type=click.Choice(ENGINES), default="llama-cpp", show_default=True)
 @click.option("--n-ubatch", type=int, default=512, show_default=True)
+@click.option("--trace", "trace_path", type=click.Path(), default=None,
+              help="A routing trace of this model (.npz, or a run directory recorded with --trace-routing): also "
+                   "recommend an expert cache in the VRAM each depth leaves free.")
+@click.option("--cache-policy", type=click.Choice(["lru", "lfu", "classlru", "static"]), default="classlru",
+              show_default=True, help="The cache policy --trace simulates.")
 @FORMAT
 @OUTPUT
 @user_errors
-def recommend(model, vram, ram, n_ctx, objective, runs, margin, engine, n_ubatch, fmt, output):
+def recommend(model, vram, ram, n_ctx, objective, runs, margin, engine, n_ubatch, trace_path, cache_policy, fmt,
+              output):
     """The --n-cpu-moe to use for a VRAM/RAM budget and context, from the plan and measured runs."""
     import psutil
 
@@ -33,7 +39,7 @@ def recommend(model, vram, ram, n_ctx, objective, runs, margin, engine, n_ubatch
     from harness.run.checks import read_checked
     from harness.analysis.tables import render
     from harness.planning.plan import PlanSettings, make_plan
-    from harness.planning.recommend import recommend_depth, table, to_json
+    from harness.planning.recommend import recommend_depth, table, to_json, with_cache
     from harness.units import GiB, parse_size
     from workloads.synth import resolve_model
 
@@ -50,6 +56,13 @@ def recommend(model, vram, ram, n_ctx, objective, runs, margin, engine, n_ubatch
     runs = [Path(r) for r in runs]
     plan = make_plan(meta, PlanSettings(engine=engine, n_ctx=n_ctx, n_ubatch=n_ubatch), runs)
     rec = recommend_depth(plan, objective, vram_b, ram_b, margin_b, runs)
+    if trace_path:
+        from harness.planning import cache, cache_model
+
+        traces = cache.load([Path(trace_path)])
+        traces = [t for _, t in traces if t.header.get("fingerprint") == meta.fingerprint] or [traces[0][1]]
+        points = cache_model.measured_points(runs) if runs else []
+        with_cache(rec, traces[0], cache_policy, cache_model.fit_all(points).get("decode") if points else None)
     title = (f"{meta.name}, {engine}, ctx {n_ctx}: VRAM {vram_b / GiB:.2f} GiB ({vram_src}), "
              f"RAM {ram_b / GiB:.2f} GiB ({ram_src}), margin {margin_b / GiB:.2f} GiB")
     render(table(rec), fmt, title=title, out=output, json_payload=to_json(rec))

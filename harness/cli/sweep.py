@@ -174,7 +174,8 @@ def show_run(run_dir: Path, fmt: str = "table", output: str | None = None) -> No
                      **({"cv % rounds": 100 * r["tps_cv_rounds"], "cv % in proc": 100 * r["tps_cv_within"]}
                         if many_rounds else {}),
                      "n": r["tps_n"], "bound tok/s": r["bound_tps"], "% of bound": 100 * r["fraction"],
-                     "peak RAM MiB": r["peak_rss_mib"], "peak VRAM MiB": r["peak_vram_mib"]})
+                     "peak RAM MiB": r["peak_rss_mib"], "RAM above floor MiB": r["peak_rss_above_floor_mib"],
+                     "peak VRAM MiB": r["peak_vram_mib"]})
         if r["tps_cv"] > CV_WARN:
             split = (f": {_pct(r['tps_cv_rounds'])} between rounds, {_pct(r['tps_cv_within'])} within a process"
                      if r["rounds"] > 1 else "")
@@ -206,14 +207,17 @@ def ratio_rows(cells, meas) -> list[dict]:
     if ok["engine"].nunique() < 2:
         return []
     _, b = pick_engines(sorted(ok["engine"].unique()), None, None)
-    get, rows = Intervals(ok, meas), []
-    for (name, depth), g in ok.groupby(["model_name", "n_cpu_moe"], sort=False):
-        for a in [e for e in dict.fromkeys(g["engine"]) if e != b]:
-            for wl in dict.fromkeys(meas.loc[meas["cell_id"].isin(g["cell_id"]), "workload"]):
-                iv = get(a, b, depth, wl)
-                if iv:
-                    rows.append({"model": name, "n_cpu_moe": depth, "workload": wl, "A / B": f"{a} / {b}",
-                                 "ratio (95% CI)": iv.text(), "verdict": iv.verdict, "over": f"{iv.n} {iv.unit}"})
+    rows = []
+    for _, mg in ok.groupby("model_fingerprint", sort=False):          # a file, not a name
+        get = Intervals(mg, meas)
+        for depth, g in mg.groupby("n_cpu_moe", sort=False):
+            for a in [e for e in dict.fromkeys(g["engine"]) if e != b]:
+                for wl in dict.fromkeys(meas.loc[meas["cell_id"].isin(g["cell_id"]), "workload"]):
+                    iv = get(a, b, depth, wl)
+                    if iv:
+                        rows.append({"model": g["model_name"].iloc[0], "n_cpu_moe": depth, "workload": wl,
+                                     "A / B": f"{a} / {b}", "ratio (95% CI)": iv.text(), "verdict": iv.verdict,
+                                     "over": f"{iv.n} {iv.unit}"})
     return rows
 
 

@@ -35,6 +35,7 @@ class DepthRow:
     predicted: dict[str, tuple[float, float]] = field(default_factory=dict)
     bound: dict[str, float] = field(default_factory=dict)
     score: float = NAN
+    cache: object = None              # harness.planning.cache.CacheAdvice with a trace (recommend --trace)
 
 
 @dataclass
@@ -49,6 +50,8 @@ class Recommendation:
     rationale: str
     smallest_vram: int | None = None
     notes: list[str] = field(default_factory=list)
+    cache_pick: object = None         # the depth plus cache size the trace favours (CacheAdvice)
+    cache_policy: str = ""
 
 
 def _geomean(values: list[float]) -> float:
@@ -208,6 +211,34 @@ def recommend_depth(plan: Plan, objective: str, vram: int, ram: int, margin: int
     return Recommendation(plan, objective, vram, ram, margin, rows, rec, why + ".", smallest, notes)
 
 
+def with_cache(rec: Recommendation, trace, policy: str = "classlru", fit=None) -> None:
+    """What an expert cache in the VRAM each feasible depth leaves free buys, replayed on a routing trace of this
+    model (harness.planning.cache.advise); the pick (depth plus cache size) goes into the rationale beside the
+    depth without a cache."""
+    from harness.planning.cache import advise
+
+    fp = trace.header.get("fingerprint")
+    if fp != rec.plan.meta.fingerprint:
+        raise UserError(f"The --trace was recorded on another model file (fingerprint {fp}, this one "
+                        f"{rec.plan.meta.fingerprint}); record one of this file with `moebench sweep --trace-routing`.")
+    if not len(trace.select(phase="decode")):
+        raise UserError("The --trace has no decode steps; record a tg workload (e.g. -w tg64+corr) with "
+                        "`moebench sweep --trace-routing`.")
+    feasible = [r for r in rec.rows if r.fits]
+    advice, pick = advise(trace, [(r.n_cpu_moe, rec.vram - rec.margin - r.accel_bytes) for r in feasible],
+                          policy, fit)
+    for r, a in zip(feasible, advice):
+        r.cache = a
+    rec.cache_pick, rec.cache_policy = pick, policy
+    if pick is not None:
+        by = "predicted decode time" if pick.predicted_s is not None else "expert bytes per token from host RAM"
+        rec.rationale += (f" With a {policy} expert cache in the VRAM left free (trace {trace.header.get('model')}, "
+                          f"{', '.join(trace.header.get('streams', []))} stream): n_cpu_moe={pick.n_cpu_moe} plus "
+                          f"{pick.cache_mib:,.0f} MiB of cache, decode hit rate {pick.hit_rate:.0%}, "
+                          f"{pick.host_mb_per_token:.1f} MB of experts per token from host RAM (least {by} of the "
+                          f"feasible depths).")
+
+
 def _fmt(r: DepthRow, k: str) -> str:
     if k in r.measured:
         return f"{r.measured[k]:,.1f}"
@@ -234,6 +265,11 @@ def table(rec: Recommendation) -> list[dict]:
                 row[f"{k} bound"] = r.bound.get(k, NAN)
         row["source"] = r.status
         row["pick"] = "◀" if r.n_cpu_moe == rec.recommended else ""
+        if rec.cache_policy:
+            c = r.cache
+            row |= {"cache MiB": c.cache_mib if c else NAN, "cache hit": f"{c.hit_rate:.0%}" if c and c.cache_mib
+                    else "", "host MB/token": c.host_mb_per_token if c else NAN,
+                    "pick with cache": "◀" if c is not None and c is rec.cache_pick else ""}
         out.append(row)
     return out
 
@@ -248,4 +284,6 @@ def to_json(rec: Recommendation) -> dict:
             "depths": [{"n_cpu_moe": r.n_cpu_moe, "accel_bytes": r.accel_bytes, "host_bytes": r.host_bytes,
                         "fits": r.fits, "why_not": r.why_not, "status": r.status, "measured_tps": r.measured,
                         "predicted_tps": {k: list(v) for k, v in r.predicted.items()}, "bound_tps": r.bound,
-                        "score": None if math.isnan(r.score) else r.score} for r in rec.rows]}
+                        "score": None if math.isnan(r.score) else r.score,
+                        "cache": vars(r.cache) if r.cache else None} for r in rec.rows],
+            "cache": {"policy": rec.cache_policy, "pick": vars(rec.cache_pick)} if rec.cache_pick else None}

@@ -14,7 +14,7 @@ from itertools import combinations
 import numpy as np
 
 from harness.run.spec import Cell
-from harness.stats import ratio_interval
+from harness.stats import ratio_interval, within_cv
 
 
 @dataclass
@@ -43,12 +43,6 @@ def _groups(part_list: list[tuple], workload: str) -> dict[int, list[float]]:
             for k, (_, ms, _) in enumerate(part_list)}
 
 
-def _within_cv(*groups: dict) -> float:
-    logs = [np.log(v) for g in groups for v in g.values() if len(v) > 1]
-    dof = sum(len(x) - 1 for x in logs)
-    return math.sqrt(sum(((x - x.mean()) ** 2).sum() for x in logs) / dof) if dof else math.nan
-
-
 def pairs(cells: list[Cell], parts: dict[str, list[tuple]]) -> list[Pair]:
     """Every compared pair of ok cells, per workload, with its interval's half-width so far."""
     groups: dict[tuple, list[Cell]] = {}
@@ -64,7 +58,7 @@ def pairs(cells: list[Cell], parts: dict[str, list[tuple]]) -> list[Pair]:
                 iv = ratio_interval(ga, gb, paired=True)
                 d = [np.log(ga[k]).mean() - np.log(gb[k]).mean() for k in ga if k in gb and ga[k] and gb[k]]
                 out.append(Pair(ca.cell_id, cb.cell_id, wl, iv.half_width, len(d),
-                                float(np.std(d, ddof=1)) if len(d) > 1 else math.nan, _within_cv(ga, gb)))
+                                float(np.std(d, ddof=1)) if len(d) > 1 else math.nan, within_cv(ga, gb)))
     return out
 
 

@@ -75,8 +75,9 @@ def _tail(path: Path) -> str:
 
 
 def cell_row(cell: Cell, run_id: str, status: str, error: str, loaded: dict | None = None, wall_s: float = NAN,
-             peak: tuple[float, float] = (NAN, NAN)) -> dict:
-    """The cells.csv row of a cell; `loaded` is the worker's "loaded" record (empty when it never loaded)."""
+             peak: tuple[float, float] = (NAN, NAN), floor: float = NAN) -> dict:
+    """The cells.csv row of a cell; `loaded` is the worker's "loaded" record (empty when it never loaded); `floor`
+    the worker's RSS before load() with the engine's runtime imported (NaN when it died first)."""
     loaded = loaded or {}
     info = loaded.get("info", {})
     s, meta = cell.settings, cell.meta
@@ -93,6 +94,7 @@ def cell_row(cell: Cell, run_id: str, status: str, error: str, loaded: dict | No
         "dtype": s.dtype, "mmap": s.mmap, "extra": s.extra, "effective_settings": info.get("settings", {}),
         "bytes_by_device": info.get("bytes_by_device", {}), "status": status, "error": error,
         "load_s": loaded.get("load_s", NAN), "wall_s": wall_s, "peak_rss_mib": rss, "peak_vram_mib": vram,
+        "rss_floor_mib": floor, "peak_rss_above_floor_mib": rss - floor,
         "host": os.uname().nodename, "arm": cell.arm,
     }
 
@@ -172,7 +174,8 @@ def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str,
     if status != "ok":
         error = f"{error} | log tail: {_tail(log)[-600:]}" if _tail(log) else error
 
-    row = cell_row(cell, run_id, status, error, loaded, wall_s, peaks(samples))
+    floor = kinds.get("floor", {}).get("rss_mib", NAN)
+    row = cell_row(cell, run_id, status, error, loaded, wall_s, peaks(samples), floor)
     s, meta = cell.settings, cell.meta
     workloads = {w.name: w for w in parse_workloads(",".join(spec.workloads))}
     phase_peaks = {name: peaks(samples, name) for name in workloads}    # per workload's timed phase
@@ -200,7 +203,8 @@ def round_sizes(repetitions: int, rounds: int) -> list[int]:
 def join_rounds(parts: list[tuple]) -> tuple[dict, list[dict], list[dict]]:
     """A cell's rounds (run_cell results in round order, one fresh process each) -> one cell: each measurement
     keeps its `round` (1, 2, ...), reps numbered on across rounds, samples shifted onto one time axis, the first
-    failure's status, the summed wall time, the largest peaks."""
+    failure's status, the summed wall time, the largest peaks; the largest RSS above the floor with that round's
+    floor (rounds are separate processes, each with its own floor)."""
     rows, meas, samples = [p[0] for p in parts], [], []
     done, t0 = {}, 0.0
     for k, (_, ms, ss) in enumerate(parts):
@@ -217,6 +221,10 @@ def join_rounds(parts: list[tuple]) -> tuple[dict, list[dict], list[dict]]:
     row["wall_s"] = sum(r["wall_s"] for r in rows)
     for col in ("peak_rss_mib", "peak_vram_mib"):
         row[col] = max((r[col] for r in rows if r[col] == r[col]), default=NAN)
+    above = [r for r in rows if r.get("peak_rss_above_floor_mib", NAN) == r.get("peak_rss_above_floor_mib", NAN)]
+    if above:
+        top = max(above, key=lambda r: r["peak_rss_above_floor_mib"])
+        row["rss_floor_mib"], row["peak_rss_above_floor_mib"] = top["rss_floor_mib"], top["peak_rss_above_floor_mib"]
     return row, meas, samples
 
 

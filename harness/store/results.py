@@ -29,8 +29,11 @@ CELL_COLUMNS = [
     "n_layers", "n_moe_layers", "depth", "n_cpu_moe", "expert_host_fraction", "expert_bytes_host",
     "expert_bytes_total", "n_overridden_tensors", "n_ctx", "n_batch", "n_ubatch", "threads", "flash_attn",
     "device", "dtype", "mmap", "extra", "effective_settings", "bytes_by_device", "status", "error",
-    "load_s", "wall_s", "peak_rss_mib", "peak_vram_mib", "host", "node", "arm",
-]
+    "load_s", "wall_s", "peak_rss_mib", "peak_vram_mib", "host", "node", "arm", "rss_floor_mib",
+    "peak_rss_above_floor_mib",
+]   # rss_floor_mib: the worker's RSS before load() with the engine's runtime imported (Engine.runtime);
+# peak_rss_above_floor_mib = peak_rss_mib - rss_floor_mib (a cell of several rounds: the largest, with its floor)
+NEW_CELL_COLUMNS = ("rss_floor_mib", "peak_rss_above_floor_mib")     # load_frames: NaN in runs written before them
 MEASUREMENT_COLUMNS = [
     "run_id", "cell_id", "engine", "model_name", "model_fingerprint", "n_cpu_moe", "workload", "n_prompt",
     "n_gen", "n_depth", "rep", "ns", "tokens_per_s", "engine_ms", "n_ctx", "n_batch", "n_ubatch", "threads",
@@ -159,6 +162,9 @@ def load_frames(run_dir: str | Path):
         path = run_dir / file
         frames.append(pd.read_csv(path) if path.exists() and path.stat().st_size else pd.DataFrame(columns=cols))
     cells = frames[0]
+    for col in NEW_CELL_COLUMNS:             # runs written before these columns: NaN, so readers need no branch
+        if col not in cells:
+            cells[col] = float("nan")
     cells["label"] = [CellKey.of(c).label(run) for c in cells.to_dict("records")]
     return (run, *frames)
 
@@ -167,17 +173,16 @@ def round_split(g) -> dict:
     """Where the spread of one cell x workload's tok/s comes from (g: its measurement rows):
     `rounds` (how many; NaN for runs written before rounds were recorded), `tps_cv_rounds` (CV of the round
     means: between processes, and between the times the rounds ran) and `tps_cv_within` (pooled CV within a
-    round: one process). With n repetitions per round, noise within processes alone puts tps_cv_rounds near
-    tps_cv_within / sqrt(n); much more means the processes or the machine differed between rounds."""
+    round: one process; harness.stats.within_cv). With n repetitions per round, noise within processes alone puts
+    tps_cv_rounds near tps_cv_within / sqrt(n); much more means the processes or the machine differed between rounds."""
+    from harness.stats import within_cv
+
     nan = float("nan")
     if "round" not in g or g["round"].isna().all():
         return {"rounds": nan, "tps_cv_rounds": nan, "tps_cv_within": nan}
-    by = g.groupby("round")["tokens_per_s"]
-    means, grand = by.mean(), g["tokens_per_s"].mean()
-    dof = int((by.count() - 1).sum())
-    within = float(((by.var(ddof=1).fillna(0) * (by.count() - 1)).sum() / dof) ** 0.5) if dof else nan
+    means = g.groupby("round")["tokens_per_s"].mean()
     return {"rounds": len(means), "tps_cv_rounds": float(means.std(ddof=1) / means.mean()) if len(means) > 1 else nan,
-            "tps_cv_within": within / grand if grand else nan}
+            "tps_cv_within": within_cv(round_groups(g))}
 
 
 def round_groups(g) -> dict:
@@ -210,7 +215,8 @@ def round_speed(measurements) -> dict[int, float]:
 def summarize(cells, measurements):
     """One row per cell x workload (cells from load_frames): cell_id, `engine` = the cell's label, tok/s
     statistics, how their spread splits between rounds and within a process (round_split), the cell's peak
-    memory and status. Failed cells appear with their status and no throughput, never as a silent gap."""
+    memory (RSS also above the engine runtime's floor) and status. Failed cells appear with their status and no
+    throughput, never as a silent gap."""
     import pandas as pd
 
     rows = []
@@ -218,8 +224,9 @@ def summarize(cells, measurements):
         m = measurements[measurements["cell_id"] == c["cell_id"]]
         base = {"cell_id": c["cell_id"], "engine": c["label"], "model_name": c["model_name"],
                 "model_fingerprint": c["model_fingerprint"], "n_cpu_moe": c["n_cpu_moe"], "depth": c["depth"],
-                    "status": c["status"], "peak_rss_mib": c["peak_rss_mib"],
-                "peak_vram_mib": c["peak_vram_mib"], "error": c["error"]}
+                "status": c["status"], "peak_rss_mib": c["peak_rss_mib"],
+                "peak_rss_above_floor_mib": c["peak_rss_above_floor_mib"], "peak_vram_mib": c["peak_vram_mib"],
+                "error": c["error"]}
         if m.empty:
             rows.append(base | {"workload": "", **{f"tps_{k}": float("nan") for k in stats([])},
                                 **round_split(m)})
