@@ -67,12 +67,21 @@ def test_dry_run_runs_the_cpu_part_of_every_step(dry_run):
     with tarfile.open(out / "gpu-check.tar.gz") as tf:
         names = set(tf.getnames())
         xml = tf.extractfile("gpu-check/pytest-gpu.xml").read().decode()
-        run = next(n.rsplit("/", 1)[0] for n in names if n.endswith("/cells.csv"))
+        run = next(n.rsplit("/", 1)[0] for n in names if n.endswith("/cells.csv") and "/results/" in n)
+        cache_run = next(n.rsplit("/", 1)[0] for n in names if n.endswith("/cells.csv") and "/cache-results/" in n)
+        cache_cells = list(csv.DictReader(tf.extractfile(f"{cache_run}/cells.csv").read().decode().splitlines()))
+        cache_md = tf.extractfile("gpu-check/cache.md").read().decode()
         cells = list(csv.DictReader(tf.extractfile(f"{run}/cells.csv").read().decode().splitlines()))
     assert {"gpu-check/report/report.md", "gpu-check/report/report.html", "gpu-check/probe.json",
             "gpu-check/sweep.md", "gpu-check/summary.md", "gpu-check/logs/sweep.log"} <= names
     assert any(n.endswith(".png") for n in names)
     assert sorted(c["engine"] for c in cells) == ["llama-cpp", "reference"] and {c["status"] for c in cells} == {"ok"}
+    # the expert cache at two sizes, traced, and the planner on its traces
+    assert status["cache sweep"] == status["cache"] == "ok", status
+    assert sorted(c["cell_id"].split("/")[0] for c in cache_cells) == ["reference@cache_mib=0@cache_policy=lru",
+                                                                      "reference@cache_mib=1024@cache_policy=lru"]
+    assert {c["status"] for c in cache_cells} == {"ok"} and "belady" in cache_md
+    assert any("/cache-results/" in n and n.endswith(".npz") for n in names)
     assert 'skipped="' in xml and 'failures="0"' in xml and "no CUDA device" in xml     # test_gpu.py: skipped here
 
 

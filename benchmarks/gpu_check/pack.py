@@ -159,6 +159,9 @@ def summary(c) -> str:
     lines += [f"- {x}" for x in f.get("sweep_checks", [])]
     if (c.res / "sweep.md").is_file():
         lines += ["", (c.res / "sweep.md").read_text().strip()]
+    if (c.res / "cache.md").is_file():
+        lines += ["", "## Expert cache (reference engine, traced; moebench cache)", "",
+                  (c.res / "cache.md").read_text().strip()]
     lines += ["", "## Probe", ""] + (probe_lines(c.res / "probe.json") or ["not run"])
     lines += ["", "## Build", "", "CMAKE_ARGS: `" + " ".join(tc.get("cmake_args", [])) + "`", ""]
     return "\n".join(lines) + "\n"
@@ -200,7 +203,7 @@ def tarball(res: Path) -> bytes:
     """res as tar.gz; without the full build log if that would pass the 16 MiB a file may have."""
     import io
 
-    for skip in ((), ("logs/build.log",), ("logs/build.log", "results")):
+    for skip in ((), ("logs/build.log",), ("logs/build.log", "results", "cache-results")):
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tf:
             for p in sorted(res.rglob("*")):
@@ -231,6 +234,9 @@ def plan_text(c, tc) -> str:
             ("sweep", " ".join(P.sweep_cmd(py, P.PRESET, P.SWEEPS[0], Path("results"), 16, Path("sweep.md")))
              + "   (-r " + "/".join(str(s.repetitions) for s in P.SWEEPS) + " as time allows)"),
             ("report", " ".join(P.harness(py, "report", "results/<run_id>", "-o", "report", "--format", "md"))),
+            ("cache", " ".join(P.cache_sweep_cmd(py, P.PRESET, P.CACHE_SWEEP, Path("cache-results"), 16)) + "; "
+             + " ".join(P.cache_cmd(py, Path("cache-results/<run_id>"), Path("cache.md"), Path("cache-report")))
+             + "   (in the time the sweep leaves)"),
             ("pack", f"at most {MAX_FILES} files into $OUT: " + ", ".join(FILES))]
     total = sum(P.PLANNED.values())
     lines = ["", f"GPU plan (budget {P.BUDGET_S} s, planned {total} s):"]

@@ -50,6 +50,26 @@ SWEEPS = (
 )
 DRY_SWEEP = Sweep(("all",), ("pp32", "tg4"), 1, 30, cell_timeout_s=120)     # 2 cells: ~25 s on 2 CPU cores
 
+# The reference engine's expert cache at two sizes on the accelerator (issue 23's GPU terms): decode and prefill at
+# depth all with routing traces, then `moebench cache` on them: the counted hits beside the simulated ones, and the
+# time model's link term fitted on GPU cells with its held-out error. Runs only in the time the main sweep leaves.
+CACHE_SWEEP = Sweep(("all",), ("pp512", "tg64+corr"), 2, 70, cell_timeout_s=90)
+DRY_CACHE_SWEEP = Sweep(("all",), ("pp32", "tg8+corr"), 1, 30, cell_timeout_s=120)
+CACHE_MIB = (0, 1024)          # of ~4.7 GiB of experts at f16: about a fifth of them
+
+
+def cache_sweep_cmd(py: str, preset: str, sweep: Sweep, results: Path, threads: int) -> list[str]:
+    return harness(py, "sweep", "-m", f"preset:{preset}", "-e", "reference", "--n-cpu-moe", "all",
+                   "--cache-mib", ",".join(map(str, CACHE_MIB)), "--cache-policy", "lru", "--trace-routing",
+                   "-w", ",".join(sweep.workloads), "-r", str(sweep.repetitions), "--threads", str(threads),
+                   "--timeout", str(sweep.cell_timeout_s), "--results-dir", str(results))
+
+
+def cache_cmd(py: str, run_dir: Path, out_md: Path, report: Path) -> list[str]:
+    return harness(py, "cache", str(run_dir), "--vram", ",".join(str(m) for m in CACHE_MIB if m), "--policy",
+                   "none,lru,classlru", "--format", "md", "-o", str(out_md), "--report", str(report))
+
+
 # planned seconds per step (the table above); the dry run prints them and checks they add up
 PLANNED = {"env": 5, "setup": 15, "build": 230, "probe": 20, "tests": 80, "sweep": SWEEPS[1].estimate_s,
            "report": 20, "pack": 10}

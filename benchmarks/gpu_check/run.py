@@ -267,6 +267,22 @@ def sweep_and_report(c: Check, preset: str) -> None:
           cap=max(20.0, c.left() - 10))
 
 
+def cache_check(c: Check, preset: str) -> None:
+    """The reference engine's expert cache at P.CACHE_MIB with traces, then `moebench cache` on that run (the time
+    model's GPU terms); only in the time the main sweep left."""
+    sw = P.DRY_CACHE_SWEEP if c.dry else P.CACHE_SWEEP
+    if not c.dry and c.left() - P.REPORT_RESERVE_S < sw.estimate_s:
+        c.step("cache sweep", f"skipped: {c.left():.0f} s left").status = "skipped"
+        return
+    c.run("cache sweep", P.cache_sweep_cmd(c.py, preset, sw, c.res / "cache-results", 2 if c.dry else
+                                           os.cpu_count() or 1), cap=max(30.0, c.left() - P.REPORT_RESERVE_S),
+          note=f"reference, --cache-mib {','.join(map(str, P.CACHE_MIB))}, {','.join(sw.workloads)}")
+    run_dir = pack.latest_run(c.res / "cache-results")
+    if run_dir is not None:
+        c.run("cache", P.cache_cmd(c.py, run_dir, c.res / "cache.md", c.res / "cache-report"),
+              cap=max(20.0, c.left() - 10))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="benchmarks/gpu_check.sh", description=__doc__.split("\n")[0])
     mode = ap.add_mutually_exclusive_group()
@@ -321,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     c.run("tests", P.tests_cmd(c.py, c.res / "pytest-gpu.xml"), cap=P.TESTS_CAP_S, log="pytest-gpu.txt")
     c.pack()
     sweep_and_report(c, preset)
+    c.pack()
+    cache_check(c, preset)
     c.step("pack").status = "ok"
     c.pack()
     print(pack.plan_text(c, tc) if dry else "", end="")

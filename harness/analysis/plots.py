@@ -45,18 +45,25 @@ def _mark_failed(ax, failed: list[tuple[int, str]]) -> None:
                     textcoords="offset points", color="tab:red", fontsize=7, rotation=90, va="bottom", ha="center")
 
 
+def _dodge(i: int, n: int, depths) -> float:
+    """x offset of series i of n: bars at one depth side by side, not on top of each other."""
+    span = max(float(depths.max() - depths.min()), 1.0)
+    return (i - (n - 1) / 2) * 0.03 * span
+
+
 def throughput(summary, out: Path, stem: str) -> list[Path]:
     """One PNG per workload: median tok/s vs n_cpu_moe, one line per engine, min-max bars over repetitions."""
     plt = _plt()
     paths = []
     for wl in [w for w in summary["workload"].unique() if isinstance(w, str) and w]:
         fig, ax = plt.subplots(figsize=(6.4, 4))
-        for engine, g in summary.groupby("engine", sort=True):
+        groups = list(summary.groupby("engine", sort=True))
+        for i, (engine, g) in enumerate(groups):
             ok = g[(g["workload"] == wl) & (g["status"] == "ok")].sort_values("n_cpu_moe")
             if not ok.empty:
                 err = [ok["tps_median"] - ok["tps_min"], ok["tps_max"] - ok["tps_median"]]
-                ax.errorbar(ok["n_cpu_moe"], ok["tps_median"], yerr=err, marker="o", capsize=3,
-                            label=f"{engine} (n={int(ok['tps_n'].max())})")
+                ax.errorbar(ok["n_cpu_moe"] + _dodge(i, len(groups), summary["n_cpu_moe"]), ok["tps_median"],
+                            yerr=err, marker="o", capsize=3, label=f"{engine} (n={int(ok['tps_n'].max())})")
             bad = g[g["status"] != "ok"].drop_duplicates("n_cpu_moe")
             _mark_failed(ax, [(int(r.n_cpu_moe), f"{engine} {r.status}") for r in bad.itertuples()])
         vals = summary.loc[summary["workload"] == wl, "tps_median"].dropna()
@@ -71,6 +78,9 @@ def throughput(summary, out: Path, stem: str) -> list[Path]:
     return paths
 
 
+RATIO_TICKS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 1, 1.1, 1.25, 1.5, 2, 3, 5, 10, 20, 50, 100)
+
+
 def speedup(summary, baseline: str, interval, out: Path, stem: str) -> list[Path]:
     """Median tok/s of each other engine over the baseline's, per workload, vs n_cpu_moe, with its 95 % interval
     as error bars (interval(a, b, depth, workload): harness.analysis.report.Intervals)."""
@@ -83,23 +93,26 @@ def speedup(summary, baseline: str, interval, out: Path, stem: str) -> list[Path
         return []
     fig, ax = plt.subplots(figsize=(6.4, 4))
     seen: list[float] = []
-    for engine in others:
-        for wl, g in ok[ok["engine"] == engine].groupby("workload", sort=False):
-            depths = sorted(g["n_cpu_moe"])
-            ivs = [interval(engine, baseline, d, wl) for d in depths]
-            ratio = np.array([iv.ratio if iv else math.nan for iv in ivs])
-            err = np.array([[max(r - iv.low, 0), max(iv.high - r, 0)] if iv and iv.low == iv.low else [0.0, 0.0]
-                            for r, iv in zip(ratio, ivs)]).T.reshape(2, -1)      # the median can sit off-centre
-            ax.errorbar(depths, ratio, yerr=err, marker="o", capsize=3, label=f"{engine} {wl}")
-            seen += [r for r in ratio if r > 0]
+    series = [(e, wl, g) for e in others for wl, g in ok[ok["engine"] == e].groupby("workload", sort=False)]
+    for i, (engine, wl, g) in enumerate(series):
+        depths = sorted(g["n_cpu_moe"])
+        ivs = [interval(engine, baseline, d, wl) for d in depths]
+        ratio = np.array([iv.ratio if iv else math.nan for iv in ivs])
+        err = np.array([[max(r - iv.low, 0), max(iv.high - r, 0)] if iv and iv.low == iv.low else [0.0, 0.0]
+                        for r, iv in zip(ratio, ivs)]).T.reshape(2, -1)      # the median can sit off-centre
+        ax.errorbar(np.array(depths, dtype=float) + _dodge(i, len(series), ok["n_cpu_moe"]), ratio, yerr=err,
+                    marker="o", capsize=3, label=f"{engine} {wl}")
+        seen += [r for r in ratio if r > 0]
     ax.axhline(1.0, color="gray", lw=1, ls="--")
     if seen:        # ratios live on a log axis; the view follows the ratios, and a wider interval runs off it
-        from matplotlib.ticker import ScalarFormatter
+        from matplotlib.ticker import NullLocator
 
+        lo, hi = min(seen + [1.0]) / 1.5, max(seen + [1.0]) * 1.5
         ax.set_yscale("log")
-        ax.set_ylim(min(seen + [1.0]) / 1.5, max(seen + [1.0]) * 1.5)
-        ax.yaxis.set_major_formatter(ScalarFormatter())
-        ax.yaxis.set_minor_formatter(ScalarFormatter())
+        ax.set_ylim(lo, hi)
+        ticks = [t for t in RATIO_TICKS if lo <= t <= hi]
+        ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+        ax.yaxis.set_minor_locator(NullLocator())
     _depth_ticks(ax, summary["n_cpu_moe"])
     ax.set(xlabel="n_cpu_moe", ylabel=f"speedup over {baseline} (median tok/s ratio)",
            title=f"Speedup over {baseline} vs offload depth (bars: 95% interval)")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -171,32 +171,27 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def _settings(cell, meas) -> dict:
     """What a cell asked for, what the engine reports it did (effective), and its decode context depths."""
+    from harness.store import results
+
     m = meas[meas["cell_id"] == cell["cell_id"]]
     tg = sorted({int(x) for x in m.loc[m["n_gen"] > 0, "n_depth"]}) if not m.empty else []
     out = {k: cell.get(k, "") for k in SETTINGS}          # older runs lack newer columns
     out["expert_host_fraction"] = f"{float(cell['expert_host_fraction']):.3f}"
     out["workloads"] = ", ".join(dict.fromkeys(m["workload"])) if not m.empty else ""
     out["decode context depth"] = ", ".join(map(str, tg))
-    out |= {f"{k} (effective)": v for k, v in _flat(_effective(cell)).items()}
+    out |= {f"{k} (effective)": v for k, v in _flat(results.json_dict(cell["effective_settings"])).items()}
     return {k: str(v) for k, v in out.items()}
-
-
-def _effective(cell) -> dict:
-    """The engine's own account of its settings (cells.csv effective_settings), {} where unreadable."""
-    try:
-        eff = json.loads(cell["effective_settings"]) if isinstance(cell["effective_settings"], str) else {}
-    except json.JSONDecodeError:
-        eff = {}
-    return eff if isinstance(eff, dict) else {}
 
 
 def kernel_path_rows(cells) -> list[dict]:
     """llama.cpp cells in which --n-cpu-moe kept experts in the plain CPU buffer that its extra buffer types would
     have taken (effective experts_unrepacked_bytes): its expert kernels then change with the depth (repacked at
     depth 0, generic at depth N), a difference beside the one being measured."""
+    from harness.store import results
+
     rows = []
     for _, c in cells.sort_values("n_cpu_moe").iterrows():
-        eff = _effective(c)
+        eff = results.json_dict(c["effective_settings"])
         plain = int(eff.get("experts_unrepacked_bytes") or 0)
         if plain:
             rows.append({"engine": c["engine"], "n_cpu_moe": int(c["n_cpu_moe"]),
@@ -232,11 +227,22 @@ def _runs_rows(runs: list[dict]) -> list[dict]:
 
 
 def _rounds_text(run: dict) -> str:
-    """`3 interleaved`, `2 back-to-back`, `5 A/B turns`; "" for runs written before rounds were recorded."""
+    """`3 interleaved`, `10 interleaved (3 planned, then --until)`, `2 back-to-back`, `5 A/B turns`; "" for runs
+    written before rounds were recorded."""
     if run.get("interleave"):
         return f"{len(run['interleave'].get('rounds', [])) or ''} A/B turns".strip()
     info = run.get("rounds") or {}
-    return f"{len(info['sizes'])} {info.get('order', '')}".strip() if info.get("sizes") else ""
+    if not info.get("sizes"):
+        return ""
+    planned = len(info["sizes"])
+    ran = (run.get("until") or {}).get("rounds", planned)
+    return f"{ran} {info.get('order', '')}".strip() + (f" ({planned} planned, then --until)" if ran != planned else "")
+
+
+def _cell_label(cell_id: str) -> str:
+    """'llama-bench/dbcbae4a9961c76e/ncmoe0' -> 'llama-bench n_cpu_moe=0' (the model is the section's)."""
+    parts = cell_id.split("/")
+    return " ".join([parts[0], *(re.sub(r"^ncmoe", "n_cpu_moe=", x) for x in parts[2:])])
 
 
 def rounds_rows(mcells, meas) -> list[dict]:
@@ -298,10 +304,12 @@ def write_report(run_dirs: list[Path], out_dir: Path, engine_a: str | None = Non
             u = r["until"]
             missed = [p for p in u["pairs"] if not p["reached"]]
             para("--until ({run}): {rounds} rounds to bring every compared ratio within ±{target}; {n} of {total} got "
-                 "there ({why}).{missed}", run=r["run_id"], rounds=u["rounds"], target=f"{u['target']:.1%}",
-                 n=len(u["pairs"]) - len(missed), total=len(u["pairs"]), why=u["stopped_by"],
-                 missed="".join(f" Not reached: {p['a']} vs {p['b']} {p['workload']}, ±{p['half_width']:.1%}: "
-                                f"{p['why']}." for p in missed))
+                 "there ({why}).", run=r["run_id"], rounds=u["rounds"], target=f"{u['target']:.1%}",
+                 n=len(u["pairs"]) - len(missed), total=len(u["pairs"]), why=u["stopped_by"])
+            if missed:
+                table([{"A": _cell_label(p["a"]), "B": _cell_label(p["b"]), "workload": p["workload"],
+                        "95% interval": f"±{p['half_width']:.1%}", "why": p["why"]} for p in missed],
+                      "--until ({run}): the ratios that did not get there", run=r["run_id"])
     if not any(r.get("host", {}).get("gpus") for r in runs):
         para("No GPU: VRAM not measured (the VRAM columns say so instead of showing zeros).")
     names = cells.groupby("model_name")["model_fingerprint"].nunique()
@@ -399,8 +407,11 @@ def to_markdown(rep: Report) -> str:
 
 CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px;color:#222}
 table{border-collapse:collapse;font-size:13px;margin:.5em 0 1.5em}th,td{border:1px solid #ccc;padding:3px 8px;
-text-align:right}td{white-space:nowrap}th{background:#f2f2f2}.scroll{overflow-x:auto}figure{margin:1em 0}
+text-align:right}.nw{white-space:nowrap}th{background:#f2f2f2}.scroll{overflow-x:auto}figure{margin:1em 0}
 img{max-width:100%}figcaption{font-size:12px;color:#666}"""
+
+
+RATIO_TEXT = re.compile(r"(\d[\d.,e+-]*x \([^()<]*\))")     # RatioInterval.text() in a table cell
 
 
 def to_html(rep: Report) -> str:
@@ -415,6 +426,7 @@ def to_html(rep: Report) -> str:
         elif blk[0] == "table":
             body = pd.DataFrame(blk[2]).to_html(index=False, escape=True, border=0,
                                                 na_rep="") if blk[2] else "<p>none</p>"
+            body = RATIO_TEXT.sub(r'<span class="nw">\1</span>', body)     # "1.12x (0.93–1.31)" on one line
             out.append(f"<h4>{blk[1].html()}</h4><div class=\"scroll\">{body}</div>")
         else:
             data = base64.b64encode(blk[1].read_bytes()).decode()

@@ -124,7 +124,7 @@ def measured_points(runs: list[Path], traces: dict[tuple[str, int], Trace] | Non
             t = found.get((str(c["model_fingerprint"]), int(c["n_cpu_moe"])))
             if c["status"] != "ok" or t is None:
                 continue
-            on_cpu = "cuda" not in str(c.get("device", "")).lower()
+            on_cpu = "cuda" not in str(results.json_dict(c["effective_settings"]).get("device", c["device"])).lower()
             big = REFERENCE_STREAM_MIN if c["engine"] == "reference" else cs.BIG_BATCH
             m = meas[meas["cell_id"] == c["cell_id"]]
             for wl, g in m.groupby("workload"):

@@ -270,8 +270,13 @@ NOT_LLAMA_CPP = {
 LLAMA_CPP_ENGINES = ("llama-cpp", "llama-bench")
 
 
-def _json(v) -> dict:
-    return json.loads(v) if isinstance(v, str) and v else {}
+def json_dict(v) -> dict:
+    """A JSON object column of cells.csv (effective_settings, extra, ...) as a dict; {} where empty or unreadable."""
+    try:
+        d = json.loads(v) if isinstance(v, str) and v else {}
+    except json.JSONDecodeError:
+        return {}
+    return d if isinstance(d, dict) else {}
 
 
 def _ggml_backends(system_info: str) -> str:
@@ -298,7 +303,7 @@ def _model_numbers(path: str, fingerprint: str) -> tuple[int | None, int | None]
 def llama_bench_settings(run: dict, c) -> dict:
     """One cell's llama-bench fields other than the test's and its timings: what the cell really ran with, in
     llama-bench's terms (cells from load_frames)."""
-    eff, extra = _json(c["effective_settings"]), _json(c["extra"])
+    eff, extra = json_dict(c["effective_settings"]), json_dict(c["extra"])
     host = (run.get("nodes") or {}).get(c.get("node")) or run.get("host") or {}     # --ray: the node's own
     llama_cpp = c["engine"] in LLAMA_CPP_ENGINES or "system_info" in eff or "backends" in eff   # or a plugin build
     load_mode = eff.get("load_mode") or ("mmap" if switch(eff.get("mmap", c["mmap"])) else "none")
@@ -353,7 +358,7 @@ def llama_bench_records(run: dict, cells, measurements) -> list[dict]:
         base = llama_bench_settings(run, c) | {"build_commit": run.get("run_id", ""), "build_number": 0,  # unknown
                                                "model_size": models[key][0], "model_n_params": models[key][1],
                                                "test_time": test_time}
-        eff = _json(c["effective_settings"])
+        eff = json_dict(c["effective_settings"])
         for _, g in m.groupby("workload", sort=False):
             ns, ts = g["ns"].astype(int).tolist(), g["tokens_per_s"].astype(float).tolist()
             sn, st = stats(ns), stats(ts)
