@@ -21,7 +21,8 @@ from harness.cli.options import FORMAT, OUTPUT, split_list, user_errors
 @click.option("--upload-cap", type=int, default=None, help="Most experts uploaded per layer per step.")
 @click.option("--n-cpu-moe", type=int, default=None,
               help="Host layers: the first N layers' experts stay in RAM (default: every MoE layer).")
-@click.option("--segment", "segments", multiple=True, help="Only these workloads of the traces (repeatable).")
+@click.option("--segment", "segments", multiple=True,
+              help="Only these workloads of the traces (comma list or repeated).")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False), default=None,
               help="Write cache.md, cache.html and the plots to this directory.")
 @FORMAT
@@ -41,7 +42,7 @@ def cache(paths, vram, policies, global_pool, cpu_share, upload_cap, n_cpu_moe, 
     except ValueError:
         raise UserError(f"--vram {','.join(vram)!r} is not a list of MiB numbers; pass e.g. --vram 256,1024") from None
     names = split_list(policies) or None
-    traces = plan_cache.load([Path(p) for p in paths], list(segments) or None)
+    traces = plan_cache.load([Path(p) for p in paths], split_list(segments) or None)
     studies = [plan_cache.study(label, t, budgets, names, global_pool=global_pool, cpu_share=cpu_share,
                                 upload_cap=upload_cap, n_cpu_moe=n_cpu_moe) for label, t in traces]
     runs = [Path(p) for p in paths if (Path(p) / "cells.csv").exists()]

@@ -225,7 +225,8 @@ def summarize(cells, measurements):
         base = {"cell_id": c["cell_id"], "engine": c["label"], "model_name": c["model_name"],
                 "model_fingerprint": c["model_fingerprint"], "n_cpu_moe": c["n_cpu_moe"], "depth": c["depth"],
                 "status": c["status"], "peak_rss_mib": c["peak_rss_mib"],
-                "peak_rss_above_floor_mib": c["peak_rss_above_floor_mib"], "peak_vram_mib": c["peak_vram_mib"],
+                "peak_rss_above_floor_mib": c.get("peak_rss_above_floor_mib", float("nan")),
+                "peak_vram_mib": c["peak_vram_mib"],
                 "error": c["error"]}
         if m.empty:
             rows.append(base | {"workload": "", **{f"tps_{k}": float("nan") for k in stats([])},
