@@ -104,6 +104,7 @@ def frames(run: Path):
     return (pd.read_csv(run / "cells.csv"), pd.read_csv(run / "measurements.csv"), pd.read_csv(run / "samples.csv"))
 
 
+@pytest.mark.slow      # a real sweep of 15-45 s: .ci/run runs it
 def test_spread_runs_cells_on_both_nodes_like_a_local_run(cluster, tiny, tmp_path):
     address, _, node_cache = cluster
     args = ["-e", "llama-cpp", "--n-cpu-moe", "0,1,2,all", "-w", "pp16,tg4", "-r", "2", "--threads", "1",
@@ -163,6 +164,7 @@ def test_two_cells_never_share_a_node_at_the_same_time(cluster, tiny, tmp_path):
     assert pids == 5
 
 
+@pytest.mark.slow      # a real sweep of 15-45 s: .ci/run runs it
 def test_per_node_runs_every_cell_on_every_node_and_resumes_per_node(cluster, tiny, tmp_path):
     address, _, _ = cluster
     env = {"RAY_ADDRESS": address}
@@ -210,6 +212,7 @@ def _hang_cell_worker(tmp: str) -> psutil.Process | None:
     return None
 
 
+@pytest.mark.slow      # a real sweep of 15-45 s: .ci/run runs it
 def test_killed_ray_worker_becomes_a_failed_row_and_resume_finishes(cluster, tiny, tmp_path):
     address, _, node_cache = cluster
     tmp = str(node_cache.parent)
@@ -331,6 +334,7 @@ def test_a_node_that_joins_takes_cells_and_a_lost_node_costs_only_its_running_ce
     assert len(cells2) == 10 and (cells2["status"] == "ok").all(), cells2["error"].tolist()
 
 
+@pytest.mark.slow      # a real sweep of 15-45 s: .ci/run runs it
 def test_ctrl_c_stops_the_running_cell_on_its_node(cluster, tiny, tmp_path):
     address, _, node_cache = cluster
     env = {**os.environ, "MOEBENCH_ENGINES": FAULTS, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": address,
