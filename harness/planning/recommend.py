@@ -215,9 +215,10 @@ def with_cache(rec: Recommendation, trace, policy: str = "classlru", fit=None) -
     """What an expert cache in the VRAM each feasible depth leaves free buys, replayed on a routing trace of this
     model (harness.planning.cache.advise); the pick (depth plus cache size) goes into the rationale beside the
     depth without a cache."""
+    from engines.gguf_meta import clean_text
     from harness.planning.cache import advise
 
-    fp = trace.header.get("fingerprint")
+    fp = clean_text(str(trace.header.get("fingerprint")), 32)          # a trace file is untrusted input
     if fp != rec.plan.meta.fingerprint:
         raise UserError(f"The --trace was recorded on another model file (fingerprint {fp}, this one "
                         f"{rec.plan.meta.fingerprint}); record one of this file with `moebench sweep --trace-routing`.")
@@ -232,8 +233,9 @@ def with_cache(rec: Recommendation, trace, policy: str = "classlru", fit=None) -
     rec.cache_pick, rec.cache_policy = pick, policy
     if pick is not None:
         by = "predicted decode time" if pick.predicted_s is not None else "expert bytes per token from host RAM"
-        rec.rationale += (f" With a {policy} expert cache in the VRAM left free (trace {trace.header.get('model')}, "
-                          f"{', '.join(trace.header.get('streams', []))} stream): n_cpu_moe={pick.n_cpu_moe} plus "
+        source = clean_text(f"{trace.header.get('model')}, {', '.join(trace.header.get('streams', []))} stream")
+        rec.rationale += (f" With a {policy} expert cache in the VRAM left free (trace {source}): "
+                          f"n_cpu_moe={pick.n_cpu_moe} plus "
                           f"{pick.cache_mib:,.0f} MiB of cache, decode hit rate {pick.hit_rate:.0%}, "
                           f"{pick.host_mb_per_token:.1f} MB of experts per token from host RAM (least {by} of the "
                           f"feasible depths).")
