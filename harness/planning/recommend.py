@@ -287,5 +287,10 @@ def to_json(rec: Recommendation) -> dict:
                         "fits": r.fits, "why_not": r.why_not, "status": r.status, "measured_tps": r.measured,
                         "predicted_tps": {k: list(v) for k, v in r.predicted.items()}, "bound_tps": r.bound,
                         "score": None if math.isnan(r.score) else r.score,
-                        "cache": vars(r.cache) if r.cache else None} for r in rec.rows],
-            "cache": {"policy": rec.cache_policy, "pick": vars(rec.cache_pick)} if rec.cache_pick else None}
+                        "cache": _advice(r.cache)} for r in rec.rows],
+            "cache": {"policy": rec.cache_policy, "pick": _advice(rec.cache_pick)} if rec.cache_pick else None}
+
+
+def _advice(a) -> dict | None:
+    """A CacheAdvice for JSON: NaN (no host layer, so no hit rate) as null."""
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in vars(a).items()} if a else None
