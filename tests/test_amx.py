@@ -116,7 +116,7 @@ def test_the_engine_turns_extra_buffer_types_off_for_a_build_that_would_crash(ti
         llama_cpp.amx_fallback.cache_clear()
 
 
-@pytest.mark.slow      # a real sweep of 15-45 s: .ci/run runs it
+@pytest.mark.slow      # a real sweep of 7-45 s: .ci/run runs it
 def test_sweep_crosses_repack_and_records_the_extra_buffer_types(tmp_path):
     """--repack 0,1 runs each llama.cpp cell twice (cell ids and labels say which) and records what llama.cpp
     used: its extra buffer types' bytes from its load log (AMX on an AMX CPU), the compiler, the knob as run."""

@@ -98,11 +98,13 @@ def _interleaved_verdict(tiny, tmp_path, b: str) -> tuple[int, str]:
     return r.returncode, cell["verdict"]
 
 
+@pytest.mark.slow      # a real sweep of 7-45 s: .ci/run runs it
 def test_interleaved_real_slowdown_is_a_regression(tiny, tmp_path):
     """Against n_ubatch 16 (prefill in 16-token chunks, a real ~6x slowdown) llama-cpp is flagged."""
     assert _interleaved_verdict(tiny, tmp_path, "llama-cpp@n_ubatch=16") == (1, "regression")
 
 
+@pytest.mark.slow      # a real sweep of 7-45 s: .ci/run runs it
 def test_interleaved_real_same_setting_is_no_change(tiny, tmp_path):
     """llama-cpp against itself is not flagged. Interleaving removes machine drift (separate sweeps of the
     same setting here differ by up to 3x as other load comes and goes); the 5 rounds of fresh processes

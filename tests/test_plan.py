@@ -127,7 +127,7 @@ def test_both_engines_hold_the_same_kv_bytes(tiny):
     assert held["f32"] == 2 * theirs
 
 
-@pytest.mark.slow      # a real sweep of 15-45 s: .ci/run runs it
+@pytest.mark.slow      # a real sweep of 7-45 s: .ci/run runs it
 def test_plan_calibrates_from_a_real_sweep(tiny, tmp_path):
     r = moebench("sweep", "-m", tiny, "-e", "llama-cpp", "--n-cpu-moe", "0,all", "-w", "pp16,tg4", "-r", "2",
                  "--threads", "2", "--results-dir", tmp_path, env={"MOEBENCH_CACHE": str(tmp_path / "cache")})

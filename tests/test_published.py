@@ -51,7 +51,7 @@ def test_reproduce_plans_the_published_sweep(tiny, tmp_path):
     assert not list(tmp_path.iterdir())                          # a dry run runs nothing, writes nothing
 
 
-@pytest.mark.slow      # a real sweep of 15-45 s: .ci/run runs it
+@pytest.mark.slow      # a real sweep of 7-45 s: .ci/run runs it
 def test_reproduce_runs_and_reports_against_published(tiny, tmp_path):
     r = moebench("reproduce", "--published-model", "gpt-oss-20b", "--model-file", tiny, "--clamp", "-w", "pp16,tg4",
                  "-r", "1", "--threads", "2", "--results-dir", tmp_path / "results", "--reports-dir",

@@ -104,7 +104,7 @@ def frames(run: Path):
     return (pd.read_csv(run / "cells.csv"), pd.read_csv(run / "measurements.csv"), pd.read_csv(run / "samples.csv"))
 
 
-@pytest.mark.slow      # a real sweep of 15-45 s: .ci/run runs it
+@pytest.mark.slow      # a real sweep of 7-45 s: .ci/run runs it
 def test_spread_runs_cells_on_both_nodes_like_a_local_run(cluster, tiny, tmp_path):
     address, _, node_cache = cluster
     args = ["-e", "llama-cpp", "--n-cpu-moe", "0,1,2,all", "-w", "pp16,tg4", "-r", "2", "--threads", "1",
@@ -140,6 +140,7 @@ def test_spread_runs_cells_on_both_nodes_like_a_local_run(cluster, tiny, tmp_pat
     assert set(spans(run)) == set(cells["node"]) and all(disjoint(s) for s in spans(run).values())
 
 
+@pytest.mark.slow      # a real sweep of 7-45 s: .ci/run runs it
 def test_two_cells_never_share_a_node_at_the_same_time(cluster, tiny, tmp_path):
     address, _, node_cache = cluster
     tmp = node_cache.parent
@@ -164,7 +165,7 @@ def test_two_cells_never_share_a_node_at_the_same_time(cluster, tiny, tmp_path):
     assert pids == 5
 
 
-@pytest.mark.slow      # a real sweep of 15-45 s: .ci/run runs it
+@pytest.mark.slow      # a real sweep of 7-45 s: .ci/run runs it
 def test_per_node_runs_every_cell_on_every_node_and_resumes_per_node(cluster, tiny, tmp_path):
     address, _, _ = cluster
     env = {"RAY_ADDRESS": address}
@@ -185,6 +186,7 @@ def test_per_node_runs_every_cell_on_every_node_and_resumes_per_node(cluster, ti
     assert pd.read_csv(run / "cells.csv")[["cell_id", "load_s"]].equals(cells[["cell_id", "load_s"]])
 
 
+@pytest.mark.slow      # a real sweep of 7-45 s: .ci/run runs it
 def test_ray_nodes_names_the_nodes_to_use(cluster, tiny, tmp_path):
     address, _, _ = cluster
     args = ["-m", tiny, "-e", "llama-cpp", "--n-cpu-moe", "0,all", "-w", "pp16", "-r", "1", "--threads", "1",
@@ -212,7 +214,7 @@ def _hang_cell_worker(tmp: str) -> psutil.Process | None:
     return None
 
 
-@pytest.mark.slow      # a real sweep of 15-45 s: .ci/run runs it
+@pytest.mark.slow      # a real sweep of 7-45 s: .ci/run runs it
 def test_killed_ray_worker_becomes_a_failed_row_and_resume_finishes(cluster, tiny, tmp_path):
     address, _, node_cache = cluster
     tmp = str(node_cache.parent)
@@ -334,7 +336,7 @@ def test_a_node_that_joins_takes_cells_and_a_lost_node_costs_only_its_running_ce
     assert len(cells2) == 10 and (cells2["status"] == "ok").all(), cells2["error"].tolist()
 
 
-@pytest.mark.slow      # a real sweep of 15-45 s: .ci/run runs it
+@pytest.mark.slow      # a real sweep of 7-45 s: .ci/run runs it
 def test_ctrl_c_stops_the_running_cell_on_its_node(cluster, tiny, tmp_path):
     address, _, node_cache = cluster
     env = {**os.environ, "MOEBENCH_ENGINES": FAULTS, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": address,

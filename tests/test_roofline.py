@@ -59,7 +59,7 @@ def test_no_profile_gives_nan_not_a_guess(meta):
     assert math.isnan(b) and kind == ""
 
 
-@pytest.mark.slow      # a real sweep of 15-45 s: .ci/run runs it
+@pytest.mark.slow      # a real sweep of 7-45 s: .ci/run runs it
 def test_annotate_real_sweep(tiny, tmp_path):
     from harness.store import results
     from harness.planning.roofline import annotate

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pandas as pd
+import pytest
 
 from harness.run.sweep import round_plan
 from harness.store import results
@@ -82,6 +83,7 @@ def test_every_cells_round_r_runs_before_any_cells_round_r_plus_1(tiny, tmp_path
     assert "cv % rounds" in r.stdout
 
 
+@pytest.mark.slow      # a real sweep of 7-45 s: .ci/run runs it
 def test_back_to_back_order_and_one_engine_default(tiny, tmp_path):
     """--round-order back-to-back keeps the old order (each cell's rounds in a row); one engine: 1 round."""
     stamps = tmp_path / "stamps.txt"

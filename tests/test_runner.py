@@ -24,7 +24,7 @@ def test_failures_become_rows_and_the_sweep_goes_on(tiny, tmp_path):
     assert set(meas["engine"]) == {"hang", "llama-cpp"}
 
 
-@pytest.mark.slow      # a real sweep of 15-45 s: .ci/run runs it
+@pytest.mark.slow      # a real sweep of 7-45 s: .ci/run runs it
 def test_timeout_then_resume_runs_only_unfinished_cells(tiny, tmp_path):
     r = moebench("sweep", "-m", tiny, "-e", "llama-cpp,hang", "--n-cpu-moe", "0,2", "-w", "pp16", "-r", "1",
                  "--threads", "2", "--timeout", "8", "--results-dir", tmp_path, env={"FAULT": "hang"})
