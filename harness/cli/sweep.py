@@ -210,7 +210,7 @@ def ratio_rows(cells, meas) -> list[dict]:
     rows = []
     for _, mg in ok.groupby("model_fingerprint", sort=False):          # a file, not a name
         get = Intervals(mg, meas)
-        for depth, g in mg.groupby("n_cpu_moe", sort=False):
+        for depth, g in mg.groupby("n_cpu_moe"):                          # depths in order
             for a in [e for e in dict.fromkeys(g["engine"]) if e != b]:
                 for wl in dict.fromkeys(meas.loc[meas["cell_id"].isin(g["cell_id"]), "workload"]):
                     iv = get(a, b, depth, wl)
