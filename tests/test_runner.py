@@ -96,13 +96,13 @@ def test_rounds_run_a_cell_in_fresh_processes(tiny, tmp_path):
 
 def _idle_rss_mib(code: str) -> float:
     """VmRSS (MiB) of a fresh Python process that ran `code` and now waits on stdin."""
-    from harness.run.sampler import _proc_kib
+    from harness.run.sampler import proc_kib
 
     p = subprocess.Popen([sys.executable, "-c", f"{code}\nimport sys; print(flush=True); sys.stdin.read()"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT)
     try:
         p.stdout.readline()                        # `code` has run
-        return _proc_kib(p.pid, "status", ("VmRSS",))["VmRSS"] / 1024
+        return proc_kib(p.pid, "status", ("VmRSS",))["VmRSS"] / 1024
     finally:
         p.communicate(b"")
 

@@ -59,10 +59,10 @@ def recommend(model, vram, ram, n_ctx, objective, runs, margin, engine, n_ubatch
     if trace_path:
         from harness.planning import cache, cache_model
 
-        traces = cache.load([Path(trace_path)])
-        traces = [t for _, t in traces if t.header.get("fingerprint") == meta.fingerprint] or [traces[0][1]]
+        traces = [t for _, t in cache.load([Path(trace_path)])]
+        trace = next((t for t in traces if t.header.get("fingerprint") == meta.fingerprint), traces[0])   # else: why
         points = cache_model.measured_points(runs) if runs else []
-        with_cache(rec, traces[0], cache_policy, cache_model.fit_all(points).get("decode") if points else None)
+        with_cache(rec, trace, cache_policy, cache_model.fit_all(points).get("decode") if points else None)
     title = (f"{meta.name}, {engine}, ctx {n_ctx}: VRAM {vram_b / GiB:.2f} GiB ({vram_src}), "
              f"RAM {ram_b / GiB:.2f} GiB ({ram_src}), margin {margin_b / GiB:.2f} GiB")
     render(table(rec), fmt, title=title, out=output, json_payload=to_json(rec))

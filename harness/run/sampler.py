@@ -22,7 +22,7 @@ from harness.units import MiB as MIB
 NAN = float("nan")
 
 
-def _proc_kib(pid: int, path: str, keys: tuple[str, ...]) -> dict[str, int] | None:
+def proc_kib(pid: int, path: str, keys: tuple[str, ...]) -> dict[str, int] | None:
     """`Key:  N kB` lines of /proc/<pid>/<path> in KiB; None if the process is gone."""
     out = {}
     try:
@@ -64,13 +64,13 @@ class Sampler(threading.Thread):
         pss = 0 if want_pss else NAN
         alive = []
         for pid in self.pids:
-            st = _proc_kib(pid, "status", ("VmRSS", "RssAnon", "RssFile"))
+            st = proc_kib(pid, "status", ("VmRSS", "RssAnon", "RssFile"))
             if not st or "VmRSS" not in st:      # gone, or a zombie (exited, not yet reaped: no Vm* lines)
                 continue
             alive.append(pid)
             rss, anon, file_ = rss + st["VmRSS"], anon + st.get("RssAnon", 0), file_ + st.get("RssFile", 0)
             if want_pss:
-                pss += (_proc_kib(pid, "smaps_rollup", ("Pss",)) or {}).get("Pss", 0)
+                pss += (proc_kib(pid, "smaps_rollup", ("Pss",)) or {}).get("Pss", 0)
         if not alive:
             return None
         vp = vd = NAN

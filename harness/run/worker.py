@@ -15,7 +15,7 @@ from pathlib import Path
 
 from engines.base import EngineSettings
 from engines.registry import engine_class
-from harness.run.sampler import NAN, _proc_kib
+from harness.run.sampler import NAN, proc_kib
 from workloads.grammar import parse_workload
 from workloads.tokens import stream_source, workload_tokens
 
@@ -63,7 +63,7 @@ def run_job(job: dict, ch: Channel) -> None:
     # The RSS floor: this process with the engine's runtime (torch, a shared library) and no model yet. Only this
     # process, not its tree: an external engine's binary has not started yet, so its runtime counts above the floor.
     engine.runtime()
-    ch.emit("floor", rss_mib=(_proc_kib(os.getpid(), "status", ("VmRSS",)) or {}).get("VmRSS", NAN) / 1024)
+    ch.emit("floor", rss_mib=(proc_kib(os.getpid(), "status", ("VmRSS",)) or {}).get("VmRSS", NAN) / 1024)
     ch.emit("phase", phase="load")
     turn.wait()
     t0 = time.perf_counter_ns()

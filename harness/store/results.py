@@ -29,11 +29,11 @@ CELL_COLUMNS = [
     "n_layers", "n_moe_layers", "depth", "n_cpu_moe", "expert_host_fraction", "expert_bytes_host",
     "expert_bytes_total", "n_overridden_tensors", "n_ctx", "n_batch", "n_ubatch", "threads", "flash_attn",
     "device", "dtype", "mmap", "extra", "effective_settings", "bytes_by_device", "status", "error",
-    "load_s", "wall_s", "peak_rss_mib", "peak_vram_mib", "host", "node", "arm", "rss_floor_mib",
-    "peak_rss_above_floor_mib",
-]   # rss_floor_mib: the worker's RSS before load() with the engine's runtime imported (Engine.runtime);
-# peak_rss_above_floor_mib = peak_rss_mib - rss_floor_mib (a cell of several rounds: the largest, with its floor)
-NEW_CELL_COLUMNS = ("rss_floor_mib", "peak_rss_above_floor_mib")     # load_frames: NaN in runs written before them
+    "load_s", "wall_s", "peak_rss_mib", "peak_vram_mib", "host", "node", "arm",
+    # the worker's RSS before load() with the engine's runtime imported (Engine.runtime), and peak_rss_mib minus it
+    # (a cell of several rounds: the largest, with its floor); runs written before them lack both
+    "rss_floor_mib", "peak_rss_above_floor_mib",
+]
 MEASUREMENT_COLUMNS = [
     "run_id", "cell_id", "engine", "model_name", "model_fingerprint", "n_cpu_moe", "workload", "n_prompt",
     "n_gen", "n_depth", "rep", "ns", "tokens_per_s", "engine_ms", "n_ctx", "n_batch", "n_ubatch", "threads",
@@ -162,9 +162,6 @@ def load_frames(run_dir: str | Path):
         path = run_dir / file
         frames.append(pd.read_csv(path) if path.exists() and path.stat().st_size else pd.DataFrame(columns=cols))
     cells = frames[0]
-    for col in NEW_CELL_COLUMNS:             # runs written before these columns: NaN, so readers need no branch
-        if col not in cells:
-            cells[col] = float("nan")
     cells["label"] = [CellKey.of(c).label(run) for c in cells.to_dict("records")]
     return (run, *frames)
 
@@ -225,7 +222,7 @@ def summarize(cells, measurements):
         base = {"cell_id": c["cell_id"], "engine": c["label"], "model_name": c["model_name"],
                 "model_fingerprint": c["model_fingerprint"], "n_cpu_moe": c["n_cpu_moe"], "depth": c["depth"],
                 "status": c["status"], "peak_rss_mib": c["peak_rss_mib"],
-                "peak_rss_above_floor_mib": c.get("peak_rss_above_floor_mib", float("nan")),
+                "peak_rss_above_floor_mib": c.get("peak_rss_above_floor_mib", float("nan")),     # older runs lack it
                 "peak_vram_mib": c["peak_vram_mib"],
                 "error": c["error"]}
         if m.empty:
