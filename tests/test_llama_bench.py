@@ -150,16 +150,17 @@ def test_real_llama_bench_agrees_with_the_llama_cpp_engine(tiny, tmp_path):
     Python per-token call (~10 us) alone is 5-9 %; at depth the attention dominates. On a shared 2-core VM the
     speed moves 10-25 % from one process to the next, so a fixed band on best-of samples fails on agreeing
     engines; the paired interval over interleaved rounds is what the harness itself trusts."""
-    from harness.stats import ratio_interval
-    from harness.store.results import round_groups
+    from harness.analysis.report import Intervals
 
     _, cells, meas = _sweep(tiny, tmp_path, ["pp1024", "tg32@d2048"], binary=_real_binary(),
                             engines=("llama-bench", "llama-cpp"), repetitions=12, rounds=6, n_ubatch=512)
     assert cells["status"].tolist() == ["ok", "ok"], cells["error"].tolist()
-    for w, g in meas.groupby("workload"):
-        iv = ratio_interval(*(round_groups(g[g["engine"] == e]) for e in ("llama-bench", "llama-cpp")), paired=True)
-        print(w, iv.text(), iv.n)
-        assert iv.n == 6 and iv.low < 1.1 and iv.high > 0.9, (w, iv)    # consistent with agreeing within 10 %
+    interval = Intervals(cells, meas)
+    for w in meas["workload"].unique():
+        iv = interval("llama-bench", "llama-cpp", 0, w)
+        print(w, iv.text(), iv.n, iv.unit)
+        assert (iv.n, iv.unit) == (6, "rounds (paired)"), (w, iv)
+        assert iv.low < 1.1 and iv.high > 0.9, (w, iv)   # consistent with agreeing within 10 %
         assert 0.5 < iv.low and iv.high < 2, (w, iv)     # and narrow enough to see a unit or token-count error
 
 

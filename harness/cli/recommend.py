@@ -60,7 +60,8 @@ def recommend(model, vram, ram, n_ctx, objective, runs, margin, engine, n_ubatch
         from harness.planning import cache, cache_model
 
         traces = [t for _, t in cache.load([Path(trace_path)])]
-        trace = next((t for t in traces if t.header.get("fingerprint") == meta.fingerprint), traces[0])   # else: why
+        # this file's trace, else the first: with_cache says why another file's does not fit
+        trace = next((t for t in traces if t.header.get("fingerprint") == meta.fingerprint), traces[0])
         points = cache_model.measured_points(runs) if runs else []
         with_cache(rec, trace, cache_policy, cache_model.fit_all(points).get("decode") if points else None)
     title = (f"{meta.name}, {engine}, ctx {n_ctx}: VRAM {vram_b / GiB:.2f} GiB ({vram_src}), "
