@@ -124,20 +124,26 @@ def test_the_clamp_of_swiglu_oai_is_exercised(files):
     e = load(files["f32"], 0)
     act, qk, seen = e.moe.act, e.moe.kernels, []
     assert act.name == "swiglu_oai" and (act.alpha, act.limit) == (1.702, 7.0)
-    moe_prefill = qk.moe_prefill
+    experts = qk.experts
 
-    def spy(x, ids, w, gate, up, down, name, alpha, limit, gb, ub, db, **kw):   # each routed (gate, up) pair
-        for ex in ids.unique().tolist():
-            rows = x[(ids == ex).any(-1)]
-            if up is None:
-                g, u = e.moe.linear(rows, gate.expert(ex)).chunk(2, dim=-1)
-            else:
-                g, u = e.moe.linear(rows, gate.expert(ex)), e.moe.linear(rows, up.expert(ex))
-            g, u = g + gb[ex], u + ub[ex]
-            seen.append(float(((g > limit) | (u.abs() > limit)).float().mean()))
-        return moe_prefill(x, ids, w, gate, up, down, name, alpha, limit, gb, ub, db, **kw)
+    def spy(gate, up, down, name, alpha, limit, gb, ub, db):    # each routed (gate, up) pair of a prefill
+        ex = experts(gate, up, down, name, alpha, limit, gb, ub, db)
+        prefill = ex.prefill
 
-    qk.moe_prefill = spy
+        def spied(x, ids, w, **kw):
+            for e_ in ids.unique().tolist():
+                rows = x[(ids == e_).any(-1)]
+                if up is None:
+                    g, u = e.moe.linear(rows, gate.expert(e_)).chunk(2, dim=-1)
+                else:
+                    g, u = e.moe.linear(rows, gate.expert(e_)), e.moe.linear(rows, up.expert(e_))
+                g, u = g + gb[e_], u + ub[e_]
+                seen.append(float(((g > limit) | (u.abs() > limit)).float().mean()))
+            return prefill(x, ids, w, **kw)
+        ex.prefill = spied
+        return ex
+
+    qk.experts = spy
     e.prefill(PROMPT[:32])                     # two ubatches: the many-token expert path (decode would not)
     assert 0.005 < np.mean(seen) < 0.2, np.mean(seen)
 

@@ -116,8 +116,9 @@ def test_experts_equal_file_layout(qk, dt):
 
 
 def test_loader_holds_x8_in_place_of_the_file(qk):
-    """weights.Holder on a CPU device: a Q4_K expert stack comes back as x8 (as many bytes as the
-    file's, booked so), a non-expert matrix and a stack the layout does not fit as stored."""
+    """weights.Holder on a CPU device: a Q4_K expert stack and a Q4_K/Q6_K matrix come back as x8 (as many
+    bytes as the file's, booked so), a matrix of another type as stored, and everything as stored without
+    the kernels."""
     from engines.gguf_meta import read_meta
     from engines.reference.weights import GGUFFile, Holder
     from workloads.synth import resolve_model
@@ -132,7 +133,11 @@ def test_loader_holds_x8_in_place_of_the_file(qk):
     assert got.nbytes == src.nbytes and torch.equal(qk.repack(got, "ggml").raw, src.raw)
     assert hold.ledger.held_bytes("experts") == got.nbytes
     other = next(t.name for t in meta.tensors if len(t.shape) == 2 and t.ggml_type in ("Q4_K", "Q6_K"))
-    assert hold.matrix(other, "non_experts", "accelerator").layout == "ggml"
+    got = hold.matrix(other, "non_experts", "accelerator")
+    assert got.layout == "x8" and torch.equal(qk.repack(got, "ggml").raw, GGUFFile(meta).qtensor(other).raw)
+    assert hold.ledger.held_bytes("non_experts") == got.nbytes
+    kept = next(t.name for t in meta.tensors if len(t.shape) == 2 and t.ggml_type not in ("Q4_K", "Q6_K"))
+    assert hold.matrix(kept, "non_experts", "accelerator").layout == "ggml"
     plain = Holder(GGUFFile(meta), torch.device("cpu"), hugepages=False)
     assert plain.matrix(names[0], "experts", "host").layout == "ggml"
 

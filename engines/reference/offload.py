@@ -88,6 +88,9 @@ class ExpertStack:
     down_b: torch.Tensor | None = None
     scale: torch.Tensor | None = None
     on_host: bool = False
+    # the CPU kernels' checked arguments (kernels.Experts), made on the stack's first CPU call; a stack made
+    # by replace() makes its own
+    kernel_args: object = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def matrices(self) -> list[QTensor]:
@@ -231,6 +234,8 @@ class MoEExecutor:
     def _on_host(self, s: ExpertStack, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, path: str) -> torch.Tensor:
         """Stack s's experts computed on the CPU (its bytes there), the result back on the accelerator."""
         with num_threads(self.cfg.host_threads if path == "host" else self.cfg.threads):
+            if not self.cuda:           # all of it on the CPU already: a decode layer is ~80 us, the moves ~15 us
+                return self._compute(s, x, ids, w)
             xc, ic, wc = x.cpu(), ids.cpu(), w.cpu()
             gb, ub, db = (None if t is None else t.cpu() for t in s.biases())    # vectors live on the accelerator
             y = self._compute(replace(s, gate_b=gb, up_b=ub, down_b=db), xc, ic, wc)
@@ -267,10 +272,12 @@ class MoEExecutor:
         activation, down and the weighted sum; for many tokens grouped by expert), else grouped_experts."""
         if s.gate.device.type != "cpu" or self.kernels is None:
             return grouped_experts(self.linear, s, x, ids, w, self.act)
-        a = (s.gate, s.up, s.down, self.act.name, self.act.alpha, self.act.limit, *s.biases())
+        if s.kernel_args is None:
+            s.kernel_args = self.kernels.experts(s.gate, s.up, s.down, self.act.name, self.act.alpha, self.act.limit,
+                                                 *s.biases())
         if x.shape[0] == 1:
-            return self.kernels.moe_decode(x, ids[0], w[0], *a)
-        return self.kernels.moe_prefill(x, ids, w, *a, bf16=self.linear.dtype == torch.bfloat16)
+            return s.kernel_args.decode(x, ids, w)
+        return s.kernel_args.prefill(x, ids, w, bf16=self.linear.dtype == torch.bfloat16)
 
     # --- stream path ----------------------------------------------------------------------------
 

@@ -3,9 +3,9 @@
 Every matrix stays as the file stores it (a QTensor: its bytes and ggml type), in one of three homes: the
 file mapping itself (zero-copy), one copy of the same bytes on 2 MiB pages (CPU), or one copy on the GPU /
 in page-locked host memory (CUDA). A copy releases the mapping's pages, so no tensor is ever held twice.
-Routed-expert stacks the CPU kernels compute (every expert of a CPU-device run) may instead be held in an
-interleaved layout made once here (kernels.host_layout: Q4_K, Q6_K as "x8", the same bytes reordered),
-again in place of the file's bytes, never beside them.
+Matrices the CPU kernels compute (every matrix of a CPU-device run) may instead be held in an interleaved
+layout made once here (kernels.host_layout: Q4_K, Q6_K as "x8", the same bytes reordered), again in place
+of the file's bytes, never beside them.
 Vectors (norms, biases, sinks, scales: at most a few KiB a layer) are held as f32 tensors.
 """
 from __future__ import annotations
@@ -81,9 +81,11 @@ def hugepage_empty(n: int) -> torch.Tensor:
     if n < HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(n, dtype=torch.uint8)
     m = mmap.mmap(-1, n + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    m.madvise(mmap.MADV_HUGEPAGE)
     buf = torch.frombuffer(m, dtype=torch.uint8)          # holds a reference to m: lives as long as buf
     off = (-buf.data_ptr()) % HUGE                         # huge pages need 2 MiB-aligned addresses
+    # only the whole huge pages: the tail in a huge page of its own would hold up to 2 MiB more than the
+    # tensor (~1 MiB a tensor, tens of MiB a model, on the RSS llama.cpp is compared with)
+    m.madvise(mmap.MADV_HUGEPAGE, off, n // HUGE * HUGE)
     return buf[off:off + n]
 
 
@@ -131,8 +133,8 @@ class Holder:
     """Takes each tensor of the file to its home and books its bytes (see the module docstring)."""
 
     def __init__(self, src: GGUFFile, device: torch.device, hugepages: bool, kernels=None):
-        """kernels: the CPU kernels (kernels.QuantKernels) whose layout (host_layout) a CPU device's expert
-        stacks are repacked into, or None to keep every matrix as the file stores it."""
+        """kernels: the CPU kernels (kernels.QuantKernels) whose layout (host_layout) a CPU device's
+        matrices are repacked into, or None to keep every matrix as the file stores it."""
         self.src, self.device, self.cuda = src, device, device.type == "cuda"
         self.hugepages = hugepages and not self.cuda
         self.kernels = None if self.cuda else kernels
@@ -159,7 +161,7 @@ class Holder:
     def matrix(self, name: str, group: str, where: str) -> QTensor:
         """A matrix as stored, at `where` ("host" | "accelerator")."""
         qt = self.src.qtensor(name)
-        if self.kernels is not None and group == "experts" and len(qt.shape) == 3:
+        if self.kernels is not None:
             if (layout := host_layout(qt)) != "ggml":
                 new = self.kernels.repack(qt, layout, hugepage_empty(qt.nbytes) if self.hugepages else None)
                 self.src.release(name)

@@ -211,47 +211,67 @@ class QuantKernels:
         vectorized SiLU, ggml's f16-table GELU(g) u, or gpt-oss's clamped SwiGLU. For tests."""
         return self.ext.act(g, u, ACTIVATIONS[act], alpha, limit)
 
+    def experts(self, gate: QTensor, up: QTensor | None, down: QTensor, act: str = "silu", alpha: float = 1.702,
+                limit: float = 7.0, gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
+                down_bias: torch.Tensor | None = None) -> "Experts":
+        """An expert stack checked once, for its moe_decode and moe_prefill calls (see those).
+        gate, up: (E, ff, D) stacks, or up None and gate the fused (E, 2 ff, D) gate_up (gate rows first);
+        down (E, D, ff); biases f32 (E, ff), (E, ff), (E, D). act: silu (silu(g) u), gelu (ggml's f16-table
+        GELU(g) u) or swiglu_oai (gpt-oss: g = min(g, limit), u = clamp(u, +-limit), g sigmoid(alpha g) (u + 1))."""
+        return Experts(self, gate, up, down, act, alpha, limit, gate_bias, up_bias, down_bias)
+
     def moe_decode(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate: QTensor, up: QTensor | None,
                    down: QTensor, act: str = "silu", alpha: float = 1.702, limit: float = 7.0,
                    gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
                    down_bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """One token's routed experts: [residual +] sum_j w_j (down_e act(gate_e x + gate_bias_e,
-        up_e x + up_bias_e) + down_bias_e), e = ids_j. x (D,) or (1, D) f32 -> the same shape; ids
-        (integers in [0, E), checked by the extension), w: k values each.
-        gate, up: (E, ff, D) stacks, or up None and gate the fused (E, 2 ff, D) gate_up (gate rows
-        first); down (E, D, ff); biases f32 (E, ff), (E, ff), (E, D). act: silu (silu(g) u), gelu
-        (ggml's f16-table GELU(g) u) or swiglu_oai (gpt-oss: g = min(g, limit), u = clamp(u, +-limit),
-        g sigmoid(alpha g) (u + 1))."""
-        E, ff, D, stacks = _stacks(gate, up, down, act, gate_bias, up_bias, down_bias)
-        if x.numel() != D or ids.numel() != w.numel() or ids.numel() < 1 or ids.dtype.is_floating_point:
-            raise ValueError(f"moe_decode: one row x, integer ids and w of the same length, got x {tuple(x.shape)}, "
-                             f"ids {tuple(ids.shape)}, w {tuple(w.shape)}")
-        y = self.ext.moe_decode(x, ids, w, E, ff, *stacks, ACTIVATIONS[act], alpha, limit, gate_bias, up_bias,
-                                down_bias, None if residual is None else residual.reshape(-1))
-        return y.reshape(x.shape)
+        """Experts.decode of the stack (experts())."""
+        return self.experts(gate, up, down, act, alpha, limit, gate_bias, up_bias, down_bias).decode(x, ids, w, residual)
 
     def moe_prefill(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate: QTensor, up: QTensor | None,
                     down: QTensor, act: str = "silu", alpha: float = 1.702, limit: float = 7.0,
                     gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
                     down_bias: torch.Tensor | None = None, bf16: bool | None = None) -> torch.Tensor:
-        """Many tokens' routed experts, moe_decode's sum for each: x (n, D) f32, ids and w (n, k) -> (n, D)
-        f32. The tokens' rows are grouped by expert; an expert with few rows reads its weight rows once for
-        all of them (the rows kernel), one with more than rows_max goes through dequantized tiles and the
-        GEMM (bf16: its dtype, as matmul's)."""
-        E, ff, D, stacks = _stacks(gate, up, down, act, gate_bias, up_bias, down_bias)
-        if x.dim() != 2 or x.shape[1] != D or ids.dim() != 2 or ids.shape != w.shape or ids.shape[0] != x.shape[0] \
-                or ids.dtype.is_floating_point:
-            raise ValueError(f"moe_prefill: x (n, {D}), integer ids and w (n, k), got x {tuple(x.shape)}, "
-                             f"ids {tuple(ids.shape)}, w {tuple(w.shape)}")
-        return self.ext.moe_prefill(x, ids, w, E, ff, *stacks, ACTIVATIONS[act], alpha, limit, gate_bias, up_bias,
-                                    down_bias, self.rows_max(gate.type, bf16, gate.layout),
-                                    self.rows_max(down.type, bf16, down.layout),
-                                    -1 if bf16 is None else int(bf16))
+        """Experts.prefill of the stack (experts())."""
+        return self.experts(gate, up, down, act, alpha, limit, gate_bias, up_bias, down_bias).prefill(x, ids, w, bf16)
 
     def fused(self, features: frozenset[str]) -> "FusedDecode | None":
         """The fused one-token steps for a model with these architecture features, or None when one of
         them is outside FUSED_FEATURES (the model then decodes with its own ops)."""
         return FusedDecode(self) if features <= FUSED_FEATURES else None
+
+
+class Experts:
+    """One layer's routed experts as the extension takes them, checked once (QuantKernels.experts): a decode
+    layer's experts take ~200 us, and the checks of every argument would add ~20 us to each call."""
+
+    def __init__(self, qk: QuantKernels, gate: QTensor, up: QTensor | None, down: QTensor, act: str, alpha: float,
+                 limit: float, *biases: torch.Tensor | None):
+        self.ext = qk.ext
+        self.E, self.ff, self.D, stacks = _stacks(gate, up, down, act, *biases)
+        self.args = (self.E, self.ff, *stacks, ACTIVATIONS[act], alpha, limit, *biases)
+        self.rows_max = {bf16: (qk.rows_max(gate.type, bf16, gate.layout), qk.rows_max(down.type, bf16, down.layout))
+                         for bf16 in (None, False, True)}
+
+    def decode(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """One token's routed experts: [residual +] sum_j w_j (down_e act(gate_e x + gate_bias_e,
+        up_e x + up_bias_e) + down_bias_e), e = ids_j. x (D,) or (1, D) f32 -> the same shape; ids
+        (integers in [0, E), checked by the extension), w: k values each, of any shape."""
+        if x.numel() != self.D or ids.numel() != w.numel() or ids.numel() < 1 or ids.dtype.is_floating_point:
+            raise ValueError(f"moe_decode: one row x, integer ids and w of the same length, got x {tuple(x.shape)}, "
+                             f"ids {tuple(ids.shape)}, w {tuple(w.shape)}")
+        return self.ext.moe_decode(x, ids, w, *self.args, residual)
+
+    def prefill(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, bf16: bool | None = None) -> torch.Tensor:
+        """Many tokens' routed experts, decode's sum for each: x (n, D) f32, ids and w (n, k) -> (n, D) f32. The
+        tokens' rows are grouped by expert; an expert with few rows reads its weight rows once for all of them
+        (the rows kernel), one with more than rows_max goes through dequantized tiles and the GEMM (bf16: its
+        dtype, as QuantKernels.matmul's)."""
+        if x.dim() != 2 or x.shape[1] != self.D or ids.dim() != 2 or ids.shape != w.shape or ids.shape[0] != x.shape[0] \
+                or ids.dtype.is_floating_point:
+            raise ValueError(f"moe_prefill: x (n, {self.D}), integer ids and w (n, k), got x {tuple(x.shape)}, "
+                             f"ids {tuple(ids.shape)}, w {tuple(w.shape)}")
+        return self.ext.moe_prefill(x, ids, w, *self.args, *self.rows_max[bf16], -1 if bf16 is None else int(bf16))
 
 
 class FusedDecode:
@@ -263,6 +283,7 @@ class FusedDecode:
     def __init__(self, qk: QuantKernels):
         self.qk, self.ext = qk, qk.ext
         self._args: dict[int, tuple] = {}     # id(layer dict) -> (it, q/k/v args, output, router, shared expert)
+        self._zero = torch.zeros(1, dtype=torch.long)      # the shared expert's id in its one-expert stack
 
     def _layer(self, cfg, lw: dict) -> tuple:
         got = self._args.get(id(lw))
@@ -274,9 +295,9 @@ class FusedDecode:
                     g("attn_q_norm.weight"), g("attn_k_norm.weight"))
             shared = None
             if cfg.has("shared_expert_gated"):
-                stack = [QTensor(t.raw, t.type, (1, *t.shape)) for t in
+                stack = [QTensor(t.raw, t.type, (1, *t.shape), t.layout) for t in
                          (lw["ffn_gate_shexp.weight"], lw["ffn_up_shexp.weight"], lw["ffn_down_shexp.weight"])]
-                shared = (lw["ffn_gate_inp_shexp.weight"].contiguous(), stack)
+                shared = (lw["ffn_gate_inp_shexp.weight"].contiguous(), self.qk.experts(*stack))
             got = self._args[id(lw)] = (lw, attn, _arg(lw["attn_output.weight"], "attn_output"),
                                         _arg(lw["ffn_gate_inp.weight"], "ffn_gate_inp"), shared)
         return got
@@ -298,5 +319,5 @@ class FusedDecode:
 
     def shared(self, cfg, lw: dict, h: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + gate * shared_expert(h): h, residual (1, D) f32, gate (1,) from route."""
-        _, _, _, _, (_, (g, u, d)) = self._layer(cfg, lw)
-        return self.qk.moe_decode(h, torch.zeros(1, dtype=torch.long), gate, g, u, d, residual=residual)
+        _, _, _, _, (_, experts) = self._layer(cfg, lw)
+        return experts.decode(h, self._zero, gate, residual)

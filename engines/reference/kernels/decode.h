@@ -132,7 +132,7 @@ Stacks stacks(int64_t n_expert, int64_t ff, int64_t D, const SArg& g, const SArg
           f32_or_null(down_bias, n_expert * D, "down_bias"), Act{act, (float)alpha, (float)limit}};
 }
 
-// One token's routed experts: y (D) = [residual +] sum_j w_j (down_e (act(gate_e x + gb_e, up_e x + ub_e)) + db_e),
+// One token's routed experts: y (x's shape, D values) = [residual +] sum_j w_j (down_e (act(gate_e x + gb_e, up_e x + ub_e)) + db_e),
 // e = ids[j]. gate, up: (E, ff, D) stacks (raw, off, stride, type), expert e at off + e * stride (a fused
 // (E, 2 ff, D) gate_up is two views: up at off + ff * row_bytes, both with stride 2 ff row_bytes); down
 // (E, D, ff). act: 0 SiLU, 1 GELU (ggml's f16 table), 2 gpt-oss SwiGLU.
@@ -141,11 +141,12 @@ at::Tensor moe_decode(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_ex
                       std::optional<at::Tensor> up_bias, std::optional<at::Tensor> down_bias,
                       std::optional<at::Tensor> residual) {
   const int64_t D = x.numel();
+  const auto shape = x.sizes().vec();
   x = f32_rows(x, D, "x");
   const Stacks st = stacks(n_expert, ff, D, gate, up, down, act, alpha, limit, gate_bias, up_bias, down_bias);
   const auto [idc, wc] = routing(ids, wts, n_expert);
   const float* res = f32_or_null(residual, D, "residual");
-  auto y = res ? residual->clone() : at::zeros({D}, x.options());
+  auto y = res ? residual->reshape(shape).clone() : at::zeros(shape, x.options());
   Acts xa(x.data_ptr<float>(), 1, D);
   experts_into(xa, idc.data_ptr<int64_t>(), wc.data_ptr<float>(), idc.numel(), st.gate, st.up, st.down, st.act,
                st.gb, st.ub, st.db, y.data_ptr<float>());
@@ -330,15 +331,17 @@ at::Tensor attn_decode(at::Tensor x, std::optional<at::Tensor> attn_norm, double
   Acts ha(h.data(), 1, D);
   const Weight* mats[3] = {&wq, &wk, &wv};
   const XRow* xr[3];
+  int64_t rg = 1;                             // q, k and v rows split over the threads in whole groups
   for (int m = 0; m < 3; ++m) {
-    TORCH_CHECK_VALUE(mats[m]->kern->group == 1, "attention weights in the file's layout");
     xr[m] = ha.rows(mats[m]->kern->fmt);     // every format before the threads start
+    rg = std::max(rg, mats[m]->kern->group);
   }
+  TORCH_CHECK_VALUE(qd % rg == 0 && kvd % rg == 0, "q, k, v rows in whole groups of ", rg);
   const int64_t starts[4] = {0, qd, qd + kvd, qd + 2 * kvd};
-  at::parallel_for(0, starts[3], grain((wq.rb + wk.rb) / 2), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
+  at::parallel_for(0, starts[3] / rg, std::max<int64_t>(1, grain((wq.rb + wk.rb) / 2) / rg), [&](int64_t b, int64_t e) {
+    for (int64_t r = b * rg; r < e * rg; r += rg) {
       const int m = r < qd ? 0 : r < qd + kvd ? 1 : 2;
-      mats[m]->kern->dot[0](mats[m]->row(r - starts[m]), D, xr[m], qkv.data() + r);
+      row_dots(*mats[m], r - starts[m], r - starts[m] + rg, xr[m], qkv.data() + r);
     }
   });
   float *q = qkv.data(), *k = q + qd, *v = k + kvd;

@@ -110,19 +110,22 @@ struct Q4_K_X8 {
         const __m256i s0 = _mm256_shuffle_epi8(sc, mask(X8_B32[j0])), s1 = _mm256_shuffle_epi8(sc, mask(X8_B32[j0 + 1]));
         FOR_X sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(_mm256_mullo_epi32(lo[r], s0), _mm256_mullo_epi32(hi[r], s1)));
 #else
-        // each row's scale as two int16: vpmaddwd applies it to both pair sums of vpmaddubsw
-        const __m256i s0 = _mm256_shuffle_epi8(sc, mask(X8_B16[j0])), s1 = _mm256_shuffle_epi8(sc, mask(X8_B16[j0 + 1]));
+        // a sub-block's 8 steps of vpmaddubsw pair sums added as int16 (|8 x 2 x 15 x 128| = 30720 fits), then
+        // one vpmaddwd with the row's scale as two int16: 2 vpmaddwd a sub-block instead of 16
+        __m256i lo[NX], hi[NX];
+        FOR_X lo[r] = hi[r] = _mm256_setzero_si256();
         _Pragma("GCC unroll 8") for (int l = 0; l < 8; ++l) {
           const __m256i w = ld(qs + 32 * l), wl = lo4(w), wh = hi4(w);
           FOR_X {
             int32_t a, h;
             memcpy(&a, q[r] + 64 * c + 4 * l, 4);
             memcpy(&h, q[r] + 64 * c + 32 + 4 * l, 4);
-            const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(wl, _mm256_set1_epi32(a)), s0);
-            const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(wh, _mm256_set1_epi32(h)), s1);
-            sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+            lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(wl, _mm256_set1_epi32(a)));
+            hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(wh, _mm256_set1_epi32(h)));
           }
         }
+        const __m256i s0 = _mm256_shuffle_epi8(sc, mask(X8_B16[j0])), s1 = _mm256_shuffle_epi8(sc, mask(X8_B16[j0 + 1]));
+        FOR_X sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(_mm256_madd_epi16(lo[r], s0), _mm256_madd_epi16(hi[r], s1)));
 #endif
       }
       // mins: sum_j m_j bsum_j, pairs of mins (j = 2p, 2p + 1) against pairs of x's sums

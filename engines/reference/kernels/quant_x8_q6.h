@@ -3,8 +3,9 @@
 // 256-value super-block exactly the bytes of its 8 blocks (1680 = 8 x 210), reordered:
 //   d[8]                     f16, one per row
 //   sc[4 words i][8 rows]    int8 scales 4i..4i+3 of each row (one per 16 values), a 32-bit word a row
-//   ql[2 halves h][2 i2][8 steps l][8 rows][4 bytes]: ql[64h + 32 i2 + 4l ..] of each row
-//   qh[2 halves h][8 steps l][8 rows][4 bytes]:       qh[32h + 4l ..] of each row
+//   steps[2 halves h][8 steps l]: 96 bytes a step, read in this order (one sequential stream, as the
+//        hardware prefetcher wants it): ql[64h + 4l ..], ql[64h + 32 + 4l ..] and qh[32h + 4l ..], each as
+//        [8 rows][4 bytes]
 // A step's three loads give 8 rows x 4 values of four 32-value streams: values 128h + 32s + 4l.. (s = 0..3;
 // low nibbles of ql i2 = s % 2 for s < 2, high for s >= 2, bits 2s..2s+1 of qh as bits 4-5). As ggml's
 // vec_dot_q6_K_q8_K: per super-block and row an int32 sum_g sc_g dot(u_g, q_g) - 32 sum_g sc_g bsum_g (u the
@@ -27,6 +28,7 @@ struct V8 {
   static I and_(I a, I b) { return _mm256_and_si256(a, b); }
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
   static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static I srl16(I a, int n) { return _mm256_srli_epi16(a, n); }
   static I sll16(I a, int n) { return _mm256_slli_epi16(a, n); }
@@ -62,6 +64,7 @@ struct V16 {
   static I and_(I a, I b) { return _mm512_and_si512(a, b); }
   static I or_(I a, I b) { return _mm512_or_si512(a, b); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I add16(I a, I b) { return _mm512_add_epi16(a, b); }
   static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
   static I srl16(I a, int n) { return _mm512_srli_epi16(a, n); }
   static I sll16(I a, int n) { return _mm512_slli_epi16(a, n); }
@@ -93,7 +96,7 @@ alignas(16) constexpr int8_t X8_HIPAIR[2][16] = {X8_MASK(Z, 0, Z, 1), X8_MASK(Z,
 
 struct Q6_K_X8 {
   static constexpr int G = 8, QK = 256, SRC = 210, GBYTES = G * SRC, BYTES = SRC;
-  static constexpr int SC = 16, QL = 144, QH = QL + 1024;
+  static constexpr int SC = 16, ST = 144, STEP = 96;
   static constexpr XFmt FMT = X_Q8_K;
 
   // where each piece of a row's block goes: (offset in the block, offset in the group's block, bytes), for row r
@@ -102,8 +105,9 @@ struct Q6_K_X8 {
     for (int i = 0; i < 4; ++i) f(192 + 4 * i, SC + 32 * i + 4 * r, 4);
     for (int h = 0; h < 2; ++h)
       for (int l = 0; l < 8; ++l) {
-        for (int i2 = 0; i2 < 2; ++i2) f(64 * h + 32 * i2 + 4 * l, QL + 512 * h + 256 * i2 + 32 * l + 4 * r, 4);
-        f(128 + 32 * h + 4 * l, QH + 256 * h + 32 * l + 4 * r, 4);
+        const int step = ST + STEP * (8 * h + l);
+        for (int i2 = 0; i2 < 2; ++i2) f(64 * h + 32 * i2 + 4 * l, step + 32 * i2 + 4 * r, 4);
+        f(128 + 32 * h + 4 * l, step + 64 + 4 * r, 4);
       }
   }
   static void pack(const uint8_t* src, int64_t rb, int64_t K, uint8_t* dst) {
@@ -140,7 +144,7 @@ struct Q6_K_X8 {
       for (int i = 0; i < 4; ++i) scw[i] = V::load(g + SC + 32 * i, gs);
       for (int h = 0; h < 2; ++h)
         for (int half = 0; half < 2; ++half) {          // steps 4 half .. 4 half + 3: one 16-value sub-block a stream
-          I a[NX][4];                                  // vpdpbusd: a stream's int32 dot, times its scale after 4 steps
+          I a[NX][4];           // a stream's dot: int32 over 4 steps (vpdpbusd), else int16 pair sums over 2
           FOR_X for (int s = 0; s < 4; ++s) a[r][s] = V::zero();
           // sub-block of stream s: 8h + 2s + half (scale word (8h + 2s + half) / 4, byte (2s + half) % 4)
           I sc[4];
@@ -150,8 +154,8 @@ struct Q6_K_X8 {
                               : V::sra16(V::shuffle(w, V::mask(X8_HI16[(2 * s + half) % 4])), 8);
           }
           _Pragma("GCC unroll 4") for (int l = 4 * half; l < 4 * half + 4; ++l) {
-            const I l0 = V::load(g + QL + 512 * h + 32 * l, gs), l1 = V::load(g + QL + 512 * h + 256 + 32 * l, gs);
-            const I hb = V::load(g + QH + 256 * h + 32 * l, gs);
+            const uint8_t* st = g + ST + STEP * (8 * h + l);
+            const I l0 = V::load(st, gs), l1 = V::load(st + 32, gs), hb = V::load(st + 64, gs);
             const I u[4] = {V::or_(V::and_(l0, m4), V::and_(V::sll16(hb, 4), m3)),
                             V::or_(V::and_(l1, m4), V::and_(V::sll16(hb, 2), m3)),
                             V::or_(V::and_(V::srl16(l0, 4), m4), V::and_(hb, m3)),
@@ -159,8 +163,15 @@ struct Q6_K_X8 {
             FOR_X for (int s = 0; s < 4; ++s) {
               int32_t xv;
               memcpy(&xv, q[r] + 128 * h + 32 * s + 4 * l, 4);
-              if constexpr (V::DPBUSD) a[r][s] = V::dpbusd(a[r][s], u[s], V::set1(xv));
-              else sumi[r] = V::add(sumi[r], V::madd(V::maddubs(u[s], V::set1(xv)), sc[s]));
+              if constexpr (V::DPBUSD) {
+                a[r][s] = V::dpbusd(a[r][s], u[s], V::set1(xv));
+              } else {          // two steps' vpmaddubsw pair sums added as int16 (|2 x 2 x 63 x 128| = 32256 fits)
+                a[r][s] = V::add16(a[r][s], V::maddubs(u[s], V::set1(xv)));
+                if (l % 2) {
+                  sumi[r] = V::add(sumi[r], V::madd(a[r][s], sc[s]));
+                  a[r][s] = V::zero();
+                }
+              }
             }
           }
           if constexpr (V::DPBUSD) FOR_X for (int s = 0; s < 4; ++s) sumi[r] = V::add(sumi[r], V::mullo(a[r][s], sc[s]));
