@@ -225,7 +225,8 @@ class QuantKernels:
                    gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
                    down_bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """Experts.decode of the stack (experts())."""
-        return self.experts(gate, up, down, act, alpha, limit, gate_bias, up_bias, down_bias).decode(x, ids, w, residual)
+        experts = self.experts(gate, up, down, act, alpha, limit, gate_bias, up_bias, down_bias)
+        return experts.decode(x, ids, w, residual)
 
     def moe_prefill(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate: QTensor, up: QTensor | None,
                     down: QTensor, act: str = "silu", alpha: float = 1.702, limit: float = 7.0,
@@ -267,8 +268,8 @@ class Experts:
         tokens' rows are grouped by expert; an expert with few rows reads its weight rows once for all of them
         (the rows kernel), one with more than rows_max goes through dequantized tiles and the GEMM (bf16: its
         dtype, as QuantKernels.matmul's)."""
-        if x.dim() != 2 or x.shape[1] != self.D or ids.dim() != 2 or ids.shape != w.shape or ids.shape[0] != x.shape[0] \
-                or ids.dtype.is_floating_point:
+        if x.dim() != 2 or x.shape[1] != self.D or ids.dim() != 2 or ids.shape != w.shape \
+                or ids.shape[0] != x.shape[0] or ids.dtype.is_floating_point:
             raise ValueError(f"moe_prefill: x (n, {self.D}), integer ids and w (n, k), got x {tuple(x.shape)}, "
                              f"ids {tuple(ids.shape)}, w {tuple(w.shape)}")
         return self.ext.moe_prefill(x, ids, w, *self.args, *self.rows_max[bf16], -1 if bf16 is None else int(bf16))
