@@ -1,4 +1,5 @@
-"""The CPU kernels' interleaved Q4_K and Q6_K layout (QTensor layout "x8", kernels/quant_x8.h, quant_x8_q6.h)
+"""The CPU kernels' interleaved Q4_K, Q6_K and MXFP4 layout (QTensor layout "x8", kernels/quant_x8.h, quant_x8_q6.h,
+quant_x8_mx.h)
 on both ISA variants, against the file layout's kernels (which tests/test_quant_kernels.py holds to
 llama.cpp's own code).
 
@@ -6,9 +7,10 @@ llama.cpp's own code).
 - Products multiply the same int8 values and integer scales as the file layout's (ggml's): only the float
   additions' order differs, so every result is within 2e-6 of sum |w x| of the file layout's (test_isas_agree's
   bound), on the rows kernel (1..11 x rows: every x tile, pairs of groups and a lone group), matvec, the GEMM
-  path (dequantized tiles), moe_decode and moe_prefill (Q4_K gate/up with a Q6_K or Q4_K down, as in Q4_K_M).
+  path (dequantized tiles), moe_decode and moe_prefill (Q4_K gate/up with a Q6_K or Q4_K down, as in Q4_K_M;
+  MXFP4 throughout, as gpt-oss).
 - The x8 products of avx2 and avx512 are bit-identical (exact int32 sums, the same float operations per row).
-- The loader holds a CPU run's Q4_K expert stacks as x8 in place of the file's bytes (weights.Holder).
+- The loader holds a CPU run's Q4_K/Q6_K/MXFP4 matrices as x8 in place of the file's bytes (weights.Holder).
 """
 import numpy as np
 import pytest
@@ -36,7 +38,7 @@ def x8(qk, t: str, shape: tuple[int, ...], seed: int = 0) -> tuple[QTensor, QTen
     return q, qk.repack(q, kernels.host_layout(q)), W
 
 
-@pytest.mark.parametrize("t", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("t", ["Q4_K", "Q6_K", "MXFP4"])
 @pytest.mark.parametrize("k", [512, 2816])
 def test_repack_is_lossless(qk, t, k):
     q, p, _ = x8(qk, t, (40, k))
@@ -68,7 +70,7 @@ def test_layout_rules(qk):
         qk.ext.matvec(p.raw, 0, p.code, 36, 512, torch.randn(512))
 
 
-@pytest.mark.parametrize("t", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("t", ["Q4_K", "Q6_K", "MXFP4"])
 @pytest.mark.parametrize("k", [512, 2816])
 def test_products_equal_file_layout(qk, t, k):
     q, p, W = x8(qk, t, (40, k))                       # 5 groups: two pairs and a lone group on avx512
@@ -84,16 +86,16 @@ def test_products_equal_file_layout(qk, t, k):
               tol * (1 if not bf16 else 1e3), f"gemm bf16={bf16}")
 
 
-@pytest.mark.parametrize("dt", ["Q6_K", "Q4_K"])
-def test_experts_equal_file_layout(qk, dt):
+@pytest.mark.parametrize("gt,dt", [("Q4_K", "Q6_K"), ("Q4_K", "Q4_K"), ("MXFP4", "MXFP4")])
+def test_experts_equal_file_layout(qk, gt, dt):
     """moe_decode and moe_prefill (rows kernel and GEMM path) on x8 stacks, fused gate_up and separate,
     against the same stacks as stored. The same int8 values, in another float order: mostly within 1e-6
     of the largest output, but an activation may cross an int8 rounding boundary of the down product's x
     (measured 6e-4): test_moe_prefill_is_moe_decode_per_token's bound, 3e-3."""
     E, D, ff, n, k = 6, 256, 512, 37, 3
     g = np.random.default_rng(12)
-    fused = x8(qk, "Q4_K", (E, 2 * ff, D), 2)
-    gate, up = x8(qk, "Q4_K", (E, ff, D), 3), x8(qk, "Q4_K", (E, ff, D), 4)
+    fused = x8(qk, gt, (E, 2 * ff, D), 2)
+    gate, up = x8(qk, gt, (E, ff, D), 3), x8(qk, gt, (E, ff, D), 4)
     down = x8(qk, dt, (E, D, ff), 5)
     assert fused[1].layout == down[1].layout == "x8"
     x = torch.from_numpy((g.standard_normal((n, D)) * 3 / np.sqrt(D)).astype(np.float32))
@@ -142,7 +144,7 @@ def test_loader_holds_x8_in_place_of_the_file(qk):
     assert plain.matrix(names[0], "experts", "host").layout == "ggml"
 
 
-@pytest.mark.parametrize("t", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("t", ["Q4_K", "Q6_K", "MXFP4"])
 def test_isas_give_identical_products(t):
     ks = [kernels.quant_kernels(i) for i in ("avx2", "avx512") if not kernels.missing_flags(i)]
     ks = [k for k in ks if not isinstance(k, str)]

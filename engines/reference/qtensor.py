@@ -28,7 +28,7 @@ COMPUTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_N
 # interleaved layouts (a permutation of the file's bytes: the same size): name -> (rows per group, the
 # kernels' type-code offset); the types each one exists for
 LAYOUTS = {"x8": (8, 1000)}
-LAYOUT_TYPES = {"x8": ("Q4_K", "Q6_K")}
+LAYOUT_TYPES = {"x8": ("Q4_K", "Q6_K", "MXFP4")}
 
 
 @dataclass(frozen=True)
@@ -109,9 +109,9 @@ class QTensor:
         if self.layout != "ggml":
             if self.layout not in LAYOUTS or self.type not in LAYOUT_TYPES[self.layout]:
                 raise ValueError(f"{what}: layout {self.layout!r} does not exist for {self.type}")
-            if self.k % 256 or self.n_rows % self.group:
-                raise ValueError(f"{what}: layout {self.layout} needs rows of 256-value blocks in whole groups of "
-                                 f"{self.group}, got shape {self.shape}")
+            if self.n_rows % self.group:
+                raise ValueError(f"{what}: layout {self.layout} needs rows in whole groups of {self.group}, got shape "
+                                 f"{self.shape}")
         r, n = self.raw, tensor_bytes(self.type, self.shape)
         if r.dtype != torch.uint8 or r.dim() != 1 or r.numel() != n:
             raise ValueError(f"{what}: {r.numel()} {r.dtype} values in {r.dim()} dims, but {self.type} {self.shape} "
