@@ -231,6 +231,7 @@ at::Tensor moe_prefill(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_e
              a.data() + p * ff, ff);
     }
   });
+  std::vector<float>().swap(h);                         // freed before ys: the peak is the larger of the two
   Acts aa(a.data(), S, ff);
   std::vector<float> ys(S * D);
   grouped_product(down, start, cnt, aa.rows(fmt(down, rows_max_down)), ys.data(), D, rows_max_down, st);
@@ -258,6 +259,43 @@ void norm_row(const float* x, const float* w, float* y, int64_t d, double eps) {
   for (int64_t i = 0; i < d; ++i) ss += (double)x[i] * x[i];
   const float scale = (float)(1.0 / std::sqrt(ss / d + eps));
   for (int64_t i = 0; i < d; ++i) y[i] = x[i] * scale * (w ? w[i] : 1.f);
+}
+
+// One position's q or k projection t (heads * hd values) in place: each group of g values RMS-normed with w
+// (g = hd: per head, qwen3moe; g = the whole projection: olmoe; w null: no norm), then each head rotated by
+// RoPE with that position's cos/sin (hd): y = x cos + rotate(x) sin, rotate swapping each pair (i, i + hd/2)
+// for NEOX, (2i, 2i+1) otherwise. rot: hd floats of scratch.
+void norm_rope_row(float* t, int64_t len, const float* w, int64_t g, double eps, const float* c, const float* s,
+                   bool neox, int64_t hd, float* rot) {
+  for (int64_t o = 0; w && o < len; o += g) norm_row(t + o, w, t + o, g, eps);
+  for (float* h = t; h < t + len; h += hd) {
+    for (int64_t i = 0; i < hd; ++i)
+      rot[i] = h[i] * c[i] + (neox ? h[i < hd / 2 ? i + hd / 2 : i - hd / 2] : h[i ^ 1]) * s[i];
+    std::copy(rot, rot + hd, h);
+  }
+}
+
+// model.attention's q/k norm and RoPE for n positions pos.. in place: t (n, heads * hd) f32 contiguous, norm
+// (g values dividing heads * hd) or none, cos/sin: model.rope_tables (n_ctx, hd)
+void norm_rope_(at::Tensor t, std::optional<at::Tensor> norm, double eps, at::Tensor cos, at::Tensor sin, int64_t pos,
+                bool neox, int64_t hd) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.is_contiguous(),
+                    "t: (n, heads * hd) contiguous f32 CPU tensor");
+  const int64_t n = t.size(0), len = t.size(1);
+  TORCH_CHECK_VALUE(hd > 0 && hd % 2 == 0 && len % hd == 0, "head size even and dividing the row");
+  TORCH_CHECK_VALUE(pos >= 0 && cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                    sin.scalar_type() == at::kFloat && cos.numel() >= (pos + n) * hd && sin.numel() >= (pos + n) * hd,
+                    "pos / rope tables");
+  const int64_t g = norm.has_value() && norm->defined() ? norm->numel() : len;
+  TORCH_CHECK_VALUE(g > 0 && len % g == 0, "norm length must divide the row");
+  const float* w = f32_or_null(norm, g, "norm");
+  float* tp = t.data_ptr<float>();
+  at::parallel_for(0, n, std::max<int64_t>(1, grain(len * 16)), [&](int64_t b, int64_t e) {
+    std::vector<float> rot(hd);
+    for (int64_t r = b; r < e; ++r)
+      norm_rope_row(tp + r * len, len, w, g, eps, cos.data_ptr<float>() + (pos + r) * hd,
+                    sin.data_ptr<float>() + (pos + r) * hd, neox, hd, rot.data());
+  });
 }
 
 // a . b over n values, b f32 or f16 (a row of the KV cache)
@@ -348,16 +386,10 @@ at::Tensor attn_decode(at::Tensor x, std::optional<at::Tensor> attn_norm, double
   for (int64_t i = 0; b_q && i < qd; ++i) q[i] += b_q[i];
   for (int64_t i = 0; b_k && i < kvd; ++i) k[i] += b_k[i];
   for (int64_t i = 0; b_v && i < kvd; ++i) v[i] += b_v[i];
-  for (int64_t o = 0; qw && o < qd; o += gq) norm_row(q + o, qw, q + o, gq, eps);
-  for (int64_t o = 0; kw && o < kvd; o += gk) norm_row(k + o, kw, k + o, gk, eps);
   const float *c = cos.data_ptr<float>() + pos * hd, *s = sin.data_ptr<float>() + pos * hd;
   std::vector<float> rot(hd);
-  for (int64_t head = 0; head < H + Hkv; ++head) {          // q heads, then k heads (contiguous in qkv)
-    float* t = q + head * hd;
-    for (int64_t i = 0; i < hd; ++i)
-      rot[i] = t[i] * c[i] + (neox ? t[i < hd / 2 ? i + hd / 2 : i - hd / 2] : t[i ^ 1]) * s[i];
-    std::copy(rot.begin(), rot.end(), t);
-  }
+  norm_rope_row(q, qd, qw, gq, eps, c, s, neox, hd, rot.data());
+  norm_rope_row(k, kvd, kw, gk, eps, c, s, neox, hd, rot.data());
   const int64_t T = pos + 1, G = H / Hkv;
   const float scale = 1.f / std::sqrt((float)hd);
   std::vector<float> o(qd, 0.f);

@@ -95,15 +95,22 @@ def attention(cfg: Hparams, lw: Layer, linear: Products, Kc: torch.Tensor, Vc: t
     q = linear(h, lw["attn_q.weight"], lw.get("attn_q.bias"))           # (n, H*hd)
     k = linear(h, lw["attn_k.weight"], lw.get("attn_k.bias"))           # (n, Hkv*hd)
     v = linear(h, lw["attn_v.weight"], lw.get("attn_v.bias"))
-    if cfg.has("qk_norm_full"):                                        # olmoe: over the whole projection
-        q = F.rms_norm(q, (cfg.q_dim,), lw["attn_q_norm.weight"], cfg.rms_eps)
-        k = F.rms_norm(k, (cfg.kv_dim,), lw["attn_k_norm.weight"], cfg.rms_eps)
-    q, k = q.view(n, H, hd), k.view(n, Hkv, hd)
-    if cfg.has("qk_norm_head"):                                        # qwen3moe: per head
-        q = F.rms_norm(q, (hd,), lw["attn_q_norm.weight"], cfg.rms_eps)
-        k = F.rms_norm(k, (hd,), lw["attn_k_norm.weight"], cfg.rms_eps)
-    c, s, neox = cos[pos:pos + n, None, :], sin[pos:pos + n, None, :], cfg.has("rope_neox")
-    q, k = apply_rope(q, c, s, neox), apply_rope(k, c, s, neox)
+    del h
+    neox, normed = cfg.has("rope_neox"), cfg.has("qk_norm_full") or cfg.has("qk_norm_head")
+    if x.device.type == "cpu" and linear.kernels is not None:         # both in one pass, in place
+        for t, name in ((q, "attn_q_norm.weight"), (k, "attn_k_norm.weight")):
+            linear.kernels.norm_rope_(t, lw[name] if normed else None, cfg.rms_eps, cos, sin, pos, neox, hd)
+        q, k = q.view(n, H, hd), k.view(n, Hkv, hd)
+    else:
+        if cfg.has("qk_norm_full"):                                    # olmoe: over the whole projection
+            q = F.rms_norm(q, (cfg.q_dim,), lw["attn_q_norm.weight"], cfg.rms_eps)
+            k = F.rms_norm(k, (cfg.kv_dim,), lw["attn_k_norm.weight"], cfg.rms_eps)
+        q, k = q.view(n, H, hd), k.view(n, Hkv, hd)
+        if cfg.has("qk_norm_head"):                                    # qwen3moe: per head
+            q = F.rms_norm(q, (hd,), lw["attn_q_norm.weight"], cfg.rms_eps)
+            k = F.rms_norm(k, (hd,), lw["attn_k_norm.weight"], cfg.rms_eps)
+        c, s = cos[pos:pos + n, None, :], sin[pos:pos + n, None, :]
+        q, k = apply_rope(q, c, s, neox), apply_rope(k, c, s, neox)
     end = pos + n
     Kc[:, pos:end] = k.transpose(0, 1)
     Vc[:, pos:end] = v.view(n, Hkv, hd).transpose(0, 1)
