@@ -11,31 +11,13 @@
 
 namespace qk {
 
-struct MXFP4_X8 {
+struct MXFP4_X8 : X8Layout<MXFP4_X8, MXFP4> {
   static constexpr int G = 8, QK = 32, SRC = 17, GBYTES = G * SRC, BYTES = SRC, QS = 8;
   static constexpr XFmt FMT = X_Q8_0;
 
   template <class F> static void pieces(int r, const F& f) {
     f(0, r, 1);
     for (int l = 0; l < 4; ++l) f(1 + 4 * l, QS + 32 * l + 4 * r, 4);
-  }
-  static void pack(const uint8_t* src, int64_t rb, int64_t K, uint8_t* dst) {
-    for (int64_t b = 0; b < K / QK; ++b, dst += GBYTES)
-      for (int r = 0; r < G; ++r) {
-        const uint8_t* p = src + r * rb + b * SRC;
-        pieces(r, [&](int s, int d, int n) { memcpy(dst + d, p + s, n); });
-      }
-  }
-  static void unpack(const uint8_t* g, int lane, int64_t K, uint8_t* dst) {
-    for (int64_t b = 0; b < K / QK; ++b, g += GBYTES, dst += SRC)
-      pieces(lane, [&](int s, int d, int n) { memcpy(dst + s, g + d, n); });
-  }
-  static void dequant_lane(const uint8_t* g, int lane, int64_t K, float* y) {
-    uint8_t blk[SRC];
-    for (int64_t b = 0; b < K / QK; ++b, g += GBYTES, y += QK) {
-      unpack(g, lane, QK, blk);
-      MXFP4::dequant_row(blk, QK, y);
-    }
   }
 
   // out[r * ldo + lane] = row lane . x[r]: 8 rows (V8) or 16 (V16, two groups gs bytes apart)
@@ -69,14 +51,6 @@ struct MXFP4_X8 {
     }
     FOR_X V::store(out + r * ldo, acc[r]);
   }
-  template <int NX> static void dot(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
-    dot_v<V8, NX>(g, K, x, out, ldo);
-  }
-#ifdef __AVX512F__
-  template <int NX> static void dot2(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
-    dot_v<V16, NX>(g, K, x, out, ldo);
-  }
-#endif
 };
 
 }  // namespace qk

@@ -100,12 +100,43 @@ alignas(16) constexpr int8_t X8_HI16[4][16] = {X8_MASK(Z, 0, Z, 0), X8_MASK(Z, 1
 alignas(16) constexpr int8_t X8_HIPAIR[2][16] = {X8_MASK(Z, 0, Z, 1), X8_MASK(Z, 2, Z, 3)};
 #undef Z
 
-struct Q6_K_X8 {
+// A layout given by where each piece of a row's block goes (T::pieces(r, f): f(offset in the file's block, offset
+// in the group's block, bytes) for row r): its pack, unpack and dequant_lane, and the group kernels' entry points
+// on T::dot_v, 8 rows (dot) or 16 (dot2, avx512). Src: the file's type (its dequant_row).
+template <class T, class Src> struct X8Layout {
+  static void pack(const uint8_t* src, int64_t rb, int64_t K, uint8_t* dst) {
+    for (int64_t b = 0; b < K / T::QK; ++b, dst += T::GBYTES)
+      for (int r = 0; r < T::G; ++r) {
+        const uint8_t* p = src + r * rb + b * T::SRC;
+        T::pieces(r, [&](int s, int d, int n) { memcpy(dst + d, p + s, n); });
+      }
+  }
+  static void unpack(const uint8_t* g, int lane, int64_t K, uint8_t* dst) {
+    for (int64_t b = 0; b < K / T::QK; ++b, g += T::GBYTES, dst += T::SRC)
+      T::pieces(lane, [&](int s, int d, int n) { memcpy(dst + s, g + d, n); });
+  }
+  static void dequant_lane(const uint8_t* g, int lane, int64_t K, float* y) {
+    alignas(32) uint8_t blk[T::SRC];
+    for (int64_t b = 0; b < K / T::QK; ++b, g += T::GBYTES, y += T::QK) {
+      unpack(g, lane, T::QK, blk);
+      Src::dequant_row(blk, T::QK, y);
+    }
+  }
+  template <int NX> static void dot(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
+    T::template dot_v<V8, NX>(g, K, x, out, ldo);
+  }
+#ifdef __AVX512F__
+  template <int NX> static void dot2(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
+    T::template dot_v<V16, NX>(g, K, x, out, ldo);
+  }
+#endif
+};
+
+struct Q6_K_X8 : X8Layout<Q6_K_X8, Q6_K> {
   static constexpr int G = 8, QK = 256, SRC = 210, GBYTES = G * SRC, BYTES = SRC;
   static constexpr int SC = 16, ST = 144, STEP = 96;
   static constexpr XFmt FMT = X_Q8_K;
 
-  // where each piece of a row's block goes: (offset in the block, offset in the group's block, bytes), for row r
   template <class F> static void pieces(int r, const F& f) {
     f(208, 2 * r, 2);
     for (int i = 0; i < 4; ++i) f(192 + 4 * i, SC + 32 * i + 4 * r, 4);
@@ -115,24 +146,6 @@ struct Q6_K_X8 {
         for (int i2 = 0; i2 < 2; ++i2) f(64 * h + 32 * i2 + 4 * l, step + 32 * i2 + 4 * r, 4);
         f(128 + 32 * h + 4 * l, step + 64 + 4 * r, 4);
       }
-  }
-  static void pack(const uint8_t* src, int64_t rb, int64_t K, uint8_t* dst) {
-    for (int64_t b = 0; b < K / QK; ++b, dst += GBYTES)
-      for (int r = 0; r < G; ++r) {
-        const uint8_t* p = src + r * rb + b * SRC;
-        pieces(r, [&](int s, int d, int n) { memcpy(dst + d, p + s, n); });
-      }
-  }
-  static void unpack(const uint8_t* g, int lane, int64_t K, uint8_t* dst) {
-    for (int64_t b = 0; b < K / QK; ++b, g += GBYTES, dst += SRC)
-      pieces(lane, [&](int s, int d, int n) { memcpy(dst + s, g + d, n); });
-  }
-  static void dequant_lane(const uint8_t* g, int lane, int64_t K, float* y) {
-    alignas(32) uint8_t blk[SRC];
-    for (int64_t b = 0; b < K / QK; ++b, g += GBYTES, y += QK) {
-      unpack(g, lane, QK, blk);
-      Q6_K::dequant_row(blk, QK, y);
-    }
   }
 
   // out[r * ldo + lane] = row lane . x[r]: 8 rows (V8) or 16 (V16, two groups gs bytes apart)
@@ -199,14 +212,6 @@ struct Q6_K_X8 {
     }
     FOR_X V::store(out + r * ldo, acc[r]);
   }
-  template <int NX> static void dot(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
-    dot_v<V8, NX>(g, K, x, out, ldo);
-  }
-#ifdef __AVX512F__
-  template <int NX> static void dot2(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
-    dot_v<V16, NX>(g, K, x, out, ldo);
-  }
-#endif
 };
 
 }  // namespace qk
