@@ -255,22 +255,24 @@ at::Tensor moe_prefill(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_e
 
 // y = x / sqrt(mean(x^2) + eps) * w (w may be null) over one row of d floats; y may be x
 void norm_row(const float* x, const float* w, float* y, int64_t d, double eps) {
-  double ss = 0;
-  for (int64_t i = 0; i < d; ++i) ss += (double)x[i] * x[i];
-  const float scale = (float)(1.0 / std::sqrt(ss / d + eps));
+  double ss = 0;                // as ggml's rms_norm: f32 squares summed in double, the mean and scale in f32
+  for (int64_t i = 0; i < d; ++i) ss += (double)(x[i] * x[i]);
+  const float mean = (float)(ss / d);
+  const float scale = 1.f / std::sqrt(mean + (float)eps);
   for (int64_t i = 0; i < d; ++i) y[i] = x[i] * scale * (w ? w[i] : 1.f);
 }
 
 // One position's q or k projection t (heads * hd values) in place: each group of g values RMS-normed with w
 // (g = hd: per head, qwen3moe; g = the whole projection: olmoe; w null: no norm), then each head rotated by
-// RoPE with that position's cos/sin (hd): y = x cos + rotate(x) sin, rotate swapping each pair (i, i + hd/2)
-// for NEOX, (2i, 2i+1) otherwise. rot: hd floats of scratch.
+// RoPE with that position's cos/sin (hd): y = x cos + rotate(x) sin (one fma onto the rounded x cos, as
+// model.apply_rope's addcmul), rotate swapping each pair (i, i + hd/2) for NEOX, (2i, 2i+1) otherwise. rot: hd
+// floats of scratch.
 void norm_rope_row(float* t, int64_t len, const float* w, int64_t g, double eps, const float* c, const float* s,
                    bool neox, int64_t hd, float* rot) {
   for (int64_t o = 0; w && o < len; o += g) norm_row(t + o, w, t + o, g, eps);
   for (float* h = t; h < t + len; h += hd) {
     for (int64_t i = 0; i < hd; ++i)
-      rot[i] = h[i] * c[i] + (neox ? h[i < hd / 2 ? i + hd / 2 : i - hd / 2] : h[i ^ 1]) * s[i];
+      rot[i] = std::fma(neox ? h[i < hd / 2 ? i + hd / 2 : i - hd / 2] : h[i ^ 1], s[i], h[i] * c[i]);
     std::copy(rot, rot + hd, h);
   }
 }
