@@ -161,12 +161,11 @@ class Holder:
     def matrix(self, name: str, group: str, where: str) -> QTensor:
         """A matrix as stored, at `where` ("host" | "accelerator")."""
         qt = self.src.qtensor(name)
-        if self.kernels is not None:
-            if (layout := host_layout(qt)) != "ggml":
-                new = self.kernels.repack(qt, layout, hugepage_empty(qt.nbytes) if self.hugepages else None)
-                self.src.release(name)
-                self.ledger.add(group, where, qt.nbytes, new.nbytes)
-                return new
+        if self.kernels is not None and (layout := host_layout(qt)) != "ggml":
+            new = self.kernels.repack(qt, layout, hugepage_empty(qt.nbytes) if self.hugepages else None)
+            self.src.release(name)
+            self.ledger.add(group, where, qt.nbytes, new.nbytes)
+            return new
         raw = qt.raw
         if self.cuda:
             raw = raw.to(self.device) if where == "accelerator" else self.pin(raw)

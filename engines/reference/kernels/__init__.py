@@ -254,11 +254,9 @@ class Experts:
 
     def __init__(self, qk: QuantKernels, gate: QTensor, up: QTensor | None, down: QTensor, act: str, alpha: float,
                  limit: float, *biases: torch.Tensor | None):
-        self.ext = qk.ext
-        self.E, self.ff, self.D, stacks = _stacks(gate, up, down, act, *biases)
-        self.args = (self.E, self.ff, *stacks, ACTIVATIONS[act], alpha, limit, *biases)
-        self.rows_max = {bf16: (qk.rows_max(gate.type, bf16, gate.layout), qk.rows_max(down.type, bf16, down.layout))
-                         for bf16 in (None, False, True)}
+        self.qk, self.gate, self.down = qk, gate, down
+        E, ff, self.D, stacks = _stacks(gate, up, down, act, *biases)
+        self.args = (E, ff, *stacks, ACTIVATIONS[act], alpha, limit, *biases)
 
     def decode(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -268,7 +266,7 @@ class Experts:
         if x.numel() != self.D or ids.numel() != w.numel() or ids.numel() < 1 or ids.dtype.is_floating_point:
             raise ValueError(f"moe_decode: one row x, integer ids and w of the same length, got x {tuple(x.shape)}, "
                              f"ids {tuple(ids.shape)}, w {tuple(w.shape)}")
-        return self.ext.moe_decode(x, ids, w, *self.args, residual)
+        return self.qk.ext.moe_decode(x, ids, w, *self.args, residual)
 
     def prefill(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, bf16: bool | None = None) -> torch.Tensor:
         """Many tokens' routed experts, decode's sum for each: x (n, D) f32, ids and w (n, k) -> (n, D) f32. The
@@ -279,7 +277,9 @@ class Experts:
                 or ids.shape[0] != x.shape[0] or ids.dtype.is_floating_point:
             raise ValueError(f"moe_prefill: x (n, {self.D}), integer ids and w (n, k), got x {tuple(x.shape)}, "
                              f"ids {tuple(ids.shape)}, w {tuple(w.shape)}")
-        return self.ext.moe_prefill(x, ids, w, *self.args, *self.rows_max[bf16], -1 if bf16 is None else int(bf16))
+        g, d = self.gate, self.down
+        return self.qk.ext.moe_prefill(x, ids, w, *self.args, self.qk.rows_max(g.type, bf16, g.layout),
+                                       self.qk.rows_max(d.type, bf16, d.layout), -1 if bf16 is None else int(bf16))
 
 
 class FusedDecode:

@@ -10,6 +10,8 @@
 // The integers and scales multiplied are ggml's (vec_dot_q4_K_q8_K): per super-block and row an int32
 // sum_j sc_j dot(u_j, q_j) times d_x d_w, minus d_x dmin_w sum_j m_j bsum_j; only the float additions'
 // order differs. Repacking is a permutation of bytes: unpack gives the file's bytes back.
+// Also here, for every x8 layout (quant_x8_q6.h, quant_x8_mx.h): the vector ops on 8 or 16 rows (V8, V16) and
+// X8Layout (pack, unpack and dequant_lane from a layout's map of where each piece of a row's block goes).
 #pragma once
 #include "quant_ktypes.h"
 
@@ -36,40 +38,125 @@ static inline void scales_x8(V u0, V u1, V u2, V out[4], A and_, O or_, SR srl, 
   out[3] = or_(and_(srl(u2, 4), m4), sll(and_(srl(u1, 6), m2), 4));
 }
 
-struct Q4_K_X8 {
+// The vector ops the x8 kernels use, on 8 rows (one group, __m256i) or 16 (two groups, __m512i: the
+// second group gs bytes after the first)
+struct V8 {
+  using I = __m256i;
+  using F = __m256;
+  static I load(const uint8_t* p, int64_t) { return ld(p); }
+  static F half(const uint8_t* p, int64_t) { return _mm256_cvtph_ps(ld16(p)); }
+  static I mask(const int8_t* m) { return _mm256_broadcastsi128_si256(ld16(m)); }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
+  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I srl16(I a, int n) { return _mm256_srli_epi16(a, n); }
+  static I sll16(I a, int n) { return _mm256_slli_epi16(a, n); }
+  static I sra16(I a, int n) { return _mm256_srai_epi16(a, n); }
+  static I sll32(I a, int n) { return _mm256_slli_epi32(a, n); }
+  static I sra32(I a, int n) { return _mm256_srai_epi32(a, n); }
+  static I shuffle(I a, I m) { return _mm256_shuffle_epi8(a, m); }
+  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I madd(I a, I b) { return _mm256_madd_epi16(a, b); }
+  static I maddubs(I u, I s) { return _mm256_maddubs_epi16(u, s); }
+#ifdef __AVX512VNNI__
+  static constexpr bool DPBUSD = true;
+  static I dpbusd(I acc, I u, I s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#else
+  static constexpr bool DPBUSD = false;
+  static I dpbusd(I acc, I, I) { return acc; }
+#endif
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F fset1(float v) { return _mm256_set1_ps(v); }
+  static F fma(F a, I b, F c) { return _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(b), c); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmaf(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F e8m0(const uint8_t* p, int64_t) { return e8m0_half8(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+#ifdef __AVX512F__
+struct V16 {
+  using I = __m512i;
+  using F = __m512;
+  static I load(const uint8_t* p, int64_t gs) { return join(ld(p), ld(p + gs)); }
+  static F half(const uint8_t* p, int64_t gs) { return _mm512_cvtph_ps(_mm256_set_m128i(ld16(p + gs), ld16(p))); }
+  static I mask(const int8_t* m) { return _mm512_broadcast_i32x4(ld16(m)); }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I add16(I a, I b) { return _mm512_add_epi16(a, b); }
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I srl16(I a, int n) { return _mm512_srli_epi16(a, n); }
+  static I sll16(I a, int n) { return _mm512_slli_epi16(a, n); }
+  static I sra16(I a, int n) { return _mm512_srai_epi16(a, n); }
+  static I sll32(I a, int n) { return _mm512_slli_epi32(a, n); }
+  static I sra32(I a, int n) { return _mm512_srai_epi32(a, n); }
+  static I shuffle(I a, I m) { return _mm512_shuffle_epi8(a, m); }
+  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I madd(I a, I b) { return _mm512_madd_epi16(a, b); }
+  static I maddubs(I u, I s) { return _mm512_maddubs_epi16(u, s); }
+  static constexpr bool DPBUSD = true;
+  static I dpbusd(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F fset1(float v) { return _mm512_set1_ps(v); }
+  static F fma(F a, I b, F c) { return _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(b), c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmaf(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F e8m0(const uint8_t* p, int64_t gs) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(V8::e8m0(p, 0)), V8::e8m0(p + gs, 0), 1);
+  }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#endif
+
+// A layout given by where each piece of a row's block goes (T::pieces(r, f): f(offset in the file's block, offset
+// in the group's block, bytes) for row r): its pack, unpack and dequant_lane, and the group kernels' entry points
+// on T::dot_v, 8 rows (dot) or 16 (dot2, avx512). Src: the file's type (its dequant_row).
+template <class T, class Src> struct X8Layout {
+  static void pack(const uint8_t* src, int64_t rb, int64_t K, uint8_t* dst) {
+    for (int64_t b = 0; b < K / T::QK; ++b, dst += T::GBYTES)
+      for (int r = 0; r < T::G; ++r) {
+        const uint8_t* p = src + r * rb + b * T::SRC;
+        T::pieces(r, [&](int s, int d, int n) { memcpy(dst + d, p + s, n); });
+      }
+  }
+  static void unpack(const uint8_t* g, int lane, int64_t K, uint8_t* dst) {
+    for (int64_t b = 0; b < K / T::QK; ++b, g += T::GBYTES, dst += T::SRC)
+      T::pieces(lane, [&](int s, int d, int n) { memcpy(dst + s, g + d, n); });
+  }
+  static void dequant_lane(const uint8_t* g, int lane, int64_t K, float* y) {
+    alignas(32) uint8_t blk[T::SRC];
+    for (int64_t b = 0; b < K / T::QK; ++b, g += T::GBYTES, y += T::QK) {
+      unpack(g, lane, T::QK, blk);
+      Src::dequant_row(blk, T::QK, y);
+    }
+  }
+  template <int NX> static void dot(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
+    T::template dot_v<V8, NX>(g, K, x, out, ldo);
+  }
+#ifdef __AVX512F__
+  template <int NX> static void dot2(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
+    T::template dot_v<V16, NX>(g, K, x, out, ldo);
+  }
+#endif
+};
+
+struct Q4_K_X8 : X8Layout<Q4_K_X8, Q4_K> {     // its own dot and dot2 (one per ISA) hide X8Layout's
   static constexpr int G = 8, QK = 256, SRC = 144, GBYTES = G * SRC, BYTES = SRC;
   static constexpr int U = 32, QS = 128;
   static constexpr XFmt FMT = X_Q8_K;
 
-  // 8 rows of K values in ggml Q4_K (row r at src + r * rb) -> one group at dst
-  static void pack(const uint8_t* src, int64_t rb, int64_t K, uint8_t* dst) {
-    for (int64_t b = 0; b < K / QK; ++b, dst += GBYTES)
-      for (int r = 0; r < G; ++r) {
-        const uint8_t* p = src + r * rb + b * SRC;
-        memcpy(dst + 2 * r, p, 2);
-        memcpy(dst + 16 + 2 * r, p + 2, 2);
-        for (int i = 0; i < 3; ++i) memcpy(dst + U + 32 * i + 4 * r, p + 4 + 4 * i, 4);
-        for (int c = 0; c < 4; ++c)
-          for (int l = 0; l < 8; ++l) memcpy(dst + QS + 256 * c + 32 * l + 4 * r, p + 16 + 32 * c + 4 * l, 4);
-      }
-  }
-  // row `lane` of a group back as ggml Q4_K (K / 256 blocks of 144 bytes at dst)
-  static void unpack(const uint8_t* g, int lane, int64_t K, uint8_t* dst) {
-    for (int64_t b = 0; b < K / QK; ++b, g += GBYTES, dst += SRC) {
-      memcpy(dst, g + 2 * lane, 2);
-      memcpy(dst + 2, g + 16 + 2 * lane, 2);
-      for (int i = 0; i < 3; ++i) memcpy(dst + 4 + 4 * i, g + U + 32 * i + 4 * lane, 4);
-      for (int c = 0; c < 4; ++c)
-        for (int l = 0; l < 8; ++l) memcpy(dst + 16 + 32 * c + 4 * l, g + QS + 256 * c + 32 * l + 4 * lane, 4);
-    }
-  }
-  // row `lane` of a group as f32, bit-exact as Q4_K::dequant_row
-  static void dequant_lane(const uint8_t* g, int lane, int64_t K, float* y) {
-    alignas(32) uint8_t blk[SRC];
-    for (int64_t b = 0; b < K / QK; ++b, g += GBYTES, y += QK) {
-      unpack(g, lane, QK, blk);
-      Q4_K::dequant_row(blk, QK, y);
-    }
+  template <class F> static void pieces(int r, const F& f) {
+    f(0, 2 * r, 2);
+    f(2, 16 + 2 * r, 2);
+    for (int i = 0; i < 3; ++i) f(4 + 4 * i, U + 32 * i + 4 * r, 4);
+    for (int c = 0; c < 4; ++c)
+      for (int l = 0; l < 8; ++l) f(16 + 32 * c + 4 * l, QS + 256 * c + 32 * l + 4 * r, 4);
   }
   // x's 32-value sums of sub-blocks 2p, 2p + 1 as two int16 in one int32 (for vpmaddwd with a pair of mins)
   static inline int32_t bsum_pair(const int16_t* bs, int p) {

@@ -15,82 +15,6 @@
 
 namespace qk {
 
-// The vector ops the x8 kernels use, on 8 rows (one group, __m256i) or 16 (two groups, __m512i: the
-// second group gs bytes after the first)
-struct V8 {
-  using I = __m256i;
-  using F = __m256;
-  static I load(const uint8_t* p, int64_t) { return ld(p); }
-  static F half(const uint8_t* p, int64_t) { return _mm256_cvtph_ps(ld16(p)); }
-  static I mask(const int8_t* m) { return _mm256_broadcastsi128_si256(ld16(m)); }
-  static I zero() { return _mm256_setzero_si256(); }
-  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
-  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
-  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
-  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
-  static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
-  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
-  static I srl16(I a, int n) { return _mm256_srli_epi16(a, n); }
-  static I sll16(I a, int n) { return _mm256_slli_epi16(a, n); }
-  static I sra16(I a, int n) { return _mm256_srai_epi16(a, n); }
-  static I sll32(I a, int n) { return _mm256_slli_epi32(a, n); }
-  static I sra32(I a, int n) { return _mm256_srai_epi32(a, n); }
-  static I shuffle(I a, I m) { return _mm256_shuffle_epi8(a, m); }
-  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
-  static I madd(I a, I b) { return _mm256_madd_epi16(a, b); }
-  static I maddubs(I u, I s) { return _mm256_maddubs_epi16(u, s); }
-#ifdef __AVX512VNNI__
-  static constexpr bool DPBUSD = true;
-  static I dpbusd(I acc, I u, I s) { return _mm256_dpbusd_epi32(acc, u, s); }
-#else
-  static constexpr bool DPBUSD = false;
-  static I dpbusd(I acc, I, I) { return acc; }
-#endif
-  static F fzero() { return _mm256_setzero_ps(); }
-  static F fset1(float v) { return _mm256_set1_ps(v); }
-  static F fma(F a, I b, F c) { return _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(b), c); }
-  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F fmaf(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F e8m0(const uint8_t* p, int64_t) { return e8m0_half8(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
-  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
-};
-#ifdef __AVX512F__
-struct V16 {
-  using I = __m512i;
-  using F = __m512;
-  static I load(const uint8_t* p, int64_t gs) { return join(ld(p), ld(p + gs)); }
-  static F half(const uint8_t* p, int64_t gs) { return _mm512_cvtph_ps(_mm256_set_m128i(ld16(p + gs), ld16(p))); }
-  static I mask(const int8_t* m) { return _mm512_broadcast_i32x4(ld16(m)); }
-  static I zero() { return _mm512_setzero_si512(); }
-  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
-  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
-  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
-  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
-  static I add16(I a, I b) { return _mm512_add_epi16(a, b); }
-  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
-  static I srl16(I a, int n) { return _mm512_srli_epi16(a, n); }
-  static I sll16(I a, int n) { return _mm512_slli_epi16(a, n); }
-  static I sra16(I a, int n) { return _mm512_srai_epi16(a, n); }
-  static I sll32(I a, int n) { return _mm512_slli_epi32(a, n); }
-  static I sra32(I a, int n) { return _mm512_srai_epi32(a, n); }
-  static I shuffle(I a, I m) { return _mm512_shuffle_epi8(a, m); }
-  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
-  static I madd(I a, I b) { return _mm512_madd_epi16(a, b); }
-  static I maddubs(I u, I s) { return _mm512_maddubs_epi16(u, s); }
-  static constexpr bool DPBUSD = true;
-  static I dpbusd(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
-  static F fzero() { return _mm512_setzero_ps(); }
-  static F fset1(float v) { return _mm512_set1_ps(v); }
-  static F fma(F a, I b, F c) { return _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(b), c); }
-  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F fmaf(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static F e8m0(const uint8_t* p, int64_t gs) {
-    return _mm512_insertf32x8(_mm512_castps256_ps512(V8::e8m0(p, 0)), V8::e8m0(p + gs, 0), 1);
-  }
-  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
-};
-#endif
-
 // vpshufb masks on a row's 32-bit scale word: byte b moved to the top of its word (then an arithmetic shift
 // right by 24 sign-extends it: a scale for vpmulld); to the high byte of both int16 (>> 8: the scale twice,
 // for vpmaddwd); bytes 2q, 2q + 1 to the high bytes of the two int16 (>> 8: a pair of scales)
@@ -99,38 +23,6 @@ alignas(16) constexpr int8_t X8_TOP32[4][16] = {X8_MASK(Z, Z, Z, 0), X8_MASK(Z, 
 alignas(16) constexpr int8_t X8_HI16[4][16] = {X8_MASK(Z, 0, Z, 0), X8_MASK(Z, 1, Z, 1), X8_MASK(Z, 2, Z, 2), X8_MASK(Z, 3, Z, 3)};
 alignas(16) constexpr int8_t X8_HIPAIR[2][16] = {X8_MASK(Z, 0, Z, 1), X8_MASK(Z, 2, Z, 3)};
 #undef Z
-
-// A layout given by where each piece of a row's block goes (T::pieces(r, f): f(offset in the file's block, offset
-// in the group's block, bytes) for row r): its pack, unpack and dequant_lane, and the group kernels' entry points
-// on T::dot_v, 8 rows (dot) or 16 (dot2, avx512). Src: the file's type (its dequant_row).
-template <class T, class Src> struct X8Layout {
-  static void pack(const uint8_t* src, int64_t rb, int64_t K, uint8_t* dst) {
-    for (int64_t b = 0; b < K / T::QK; ++b, dst += T::GBYTES)
-      for (int r = 0; r < T::G; ++r) {
-        const uint8_t* p = src + r * rb + b * T::SRC;
-        T::pieces(r, [&](int s, int d, int n) { memcpy(dst + d, p + s, n); });
-      }
-  }
-  static void unpack(const uint8_t* g, int lane, int64_t K, uint8_t* dst) {
-    for (int64_t b = 0; b < K / T::QK; ++b, g += T::GBYTES, dst += T::SRC)
-      T::pieces(lane, [&](int s, int d, int n) { memcpy(dst + s, g + d, n); });
-  }
-  static void dequant_lane(const uint8_t* g, int lane, int64_t K, float* y) {
-    alignas(32) uint8_t blk[T::SRC];
-    for (int64_t b = 0; b < K / T::QK; ++b, g += T::GBYTES, y += T::QK) {
-      unpack(g, lane, T::QK, blk);
-      Src::dequant_row(blk, T::QK, y);
-    }
-  }
-  template <int NX> static void dot(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
-    T::template dot_v<V8, NX>(g, K, x, out, ldo);
-  }
-#ifdef __AVX512F__
-  template <int NX> static void dot2(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
-    T::template dot_v<V16, NX>(g, K, x, out, ldo);
-  }
-#endif
-};
 
 struct Q6_K_X8 : X8Layout<Q6_K_X8, Q6_K> {
   static constexpr int G = 8, QK = 256, SRC = 210, GBYTES = G * SRC, BYTES = SRC;
