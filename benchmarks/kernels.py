@@ -11,10 +11,10 @@ ISA variant, next to the machine's read bandwidth and llama.cpp's own CPU kernel
   1-thread matvec. --ggml-lib DIR takes libggml-base.so/libggml-cpu.so from DIR instead, e.g. an
   AVX2-only build for the avx2 variant (cmake ggml/ -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON
   -DGGML_F16C=ON -DGGML_AVX512=OFF -DBUILD_SHARED_LIBS=ON; make ggml-cpu).
-- moe_decode: GB/s of the expert bytes one token reads, on Qwen3-30B-A3B and gpt-oss-20b shapes; moe_prefill:
-  GFLOP/s of --prefill-tokens tokens (512: ~32 rows an expert at k 8 of 128). Each in every weight layout of
-  --layouts the type has (ggml: as stored; x8: Q4_K/Q6_K with 8 rows interleaved, kernels.host_layout),
-  interleaved with the file layout in every repetition.
+- moe_decode: GB/s of the expert bytes one token reads, on Qwen3-30B-A3B, gpt-oss-20b and gemma-4-26B-A4B
+  shapes (those with a type among --types); moe_prefill: GFLOP/s of --prefill-tokens tokens (512: ~32 rows
+  an expert at k 8 of 128). Each in every weight layout of --layouts the type has (ggml: as stored; x8: 8 rows
+  interleaved, kernels.host_layout), interleaved with the file layout in every repetition.
 - matmul: GFLOP/s for n = 16, 64, 512 activation rows against ATen's f32 GEMM (and bf16 where the
   CPU has avx512_bf16) on the same shape as a float tensor.
 - --engine f16,q8_0,q4_k_m,mxfp4: instead of the tables above, the whole reference engine on
@@ -211,7 +211,8 @@ def bench_matmul(args, qks: dict, gg: Ggml):
 # routed-expert shapes: (name, gate/up type, down type, D, ff, E, k, act)
 MOE = [("qwen3-30b-a3b", "Q4_K", "Q6_K", 2048, 768, 128, 8, "silu"),
        ("qwen3-30b-a3b", "Q4_K", "Q4_K", 2048, 768, 128, 8, "silu"),
-       ("gpt-oss-20b", "MXFP4", "MXFP4", 2880, 2880, 32, 4, "swiglu_oai")]
+       ("gpt-oss-20b", "MXFP4", "MXFP4", 2880, 2880, 32, 4, "swiglu_oai"),
+       ("gemma-4-26b-a4b", "IQ4_XS", "IQ4_NL", 2816, 704, 128, 8, "gelu")]
 
 
 def moe_stacks(gg: "Ggml", qks: dict, gt: str, dt: str, D: int, ff: int, E: int, rng) -> dict:
@@ -232,13 +233,18 @@ def moe_stacks(gg: "Ggml", qks: dict, gt: str, dt: str, D: int, ff: int, E: int,
 LAYOUTS_ASKED: list[str] = ["ggml", "x8"]
 
 
+def moe_shapes(args) -> list[tuple]:
+    """The MOE shapes with a type among --types."""
+    return [m for m in MOE if m[1] in args.types or m[2] in args.types]
+
+
 def bench_moe(args, qks: dict, gg: Ggml):
     """moe_decode on real model shapes, each call routing to k experts drawn at random: GB/s of the
     expert bytes one token reads (k gate_up and down matrices)."""
     print(f"\nmoe_decode (one token, k experts drawn at random): GB/s of expert bytes read, median (best) of "
           f"{args.reps}")
     rng = np.random.default_rng(2)
-    for name, gt, dt, D, ff, E, k, act in MOE:
+    for name, gt, dt, D, ff, E, k, act in moe_shapes(args):
         stacks = moe_stacks(gg, qks, gt, dt, D, ff, E, rng)
         x = torch.randn(D) / D ** 0.5
         w = torch.full((k,), 1 / k)
@@ -265,7 +271,7 @@ def bench_moe_prefill(args, qks: dict, gg: Ggml):
     n = args.prefill_tokens
     print(f"\nmoe_prefill ({n} tokens, k experts each drawn at random): GFLOP/s, median (best) of {args.reps}")
     rng = np.random.default_rng(3)
-    for name, gt, dt, D, ff, E, k, act in MOE:
+    for name, gt, dt, D, ff, E, k, act in moe_shapes(args):
         stacks = moe_stacks(gg, qks, gt, dt, D, ff, E, rng)
         x = torch.randn(n, D) / D ** 0.5
         w = torch.full((n, k), 1 / k)

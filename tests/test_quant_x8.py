@@ -1,5 +1,5 @@
-"""The CPU kernels' interleaved Q4_K, Q6_K and MXFP4 layout (QTensor layout "x8", kernels/quant_x8.h, quant_x8_q6.h,
-quant_x8_mx.h)
+"""The CPU kernels' interleaved Q4_K, Q6_K, MXFP4, IQ4_NL and IQ4_XS layout (QTensor layout "x8", kernels/quant_x8.h,
+quant_x8_q6.h, quant_x8_mx.h, quant_x8_iq4.h)
 on both ISA variants, against the file layout's kernels (which tests/test_quant_kernels.py holds to
 llama.cpp's own code).
 
@@ -8,16 +8,16 @@ llama.cpp's own code).
   additions' order differs, so every result is within 2e-6 of sum |w x| of the file layout's (test_isas_agree's
   bound), on the rows kernel (1..11 x rows: every x tile, pairs of groups and a lone group), matvec, the GEMM
   path (dequantized tiles), moe_decode and moe_prefill (Q4_K gate/up with a Q6_K or Q4_K down, as in Q4_K_M;
-  MXFP4 throughout, as gpt-oss).
+  MXFP4 throughout, as gpt-oss; IQ4_XS gate/up with an IQ4_NL down, as gemma-4's IQ4_XS file).
 - The x8 products of avx2 and avx512 are bit-identical (exact int32 sums, the same float operations per row).
-- The loader holds a CPU run's Q4_K/Q6_K/MXFP4 matrices as x8 in place of the file's bytes (weights.Holder).
+- The loader holds a CPU run's matrices of those types as x8 in place of the file's bytes (weights.Holder).
 """
 import numpy as np
 import pytest
 import torch
 
 from engines.reference import kernels
-from engines.reference.qtensor import QTensor
+from engines.reference.qtensor import LAYOUT_TYPES, QTensor
 from tests.test_quant_kernels import as_ggml_sees, check, qtensor, uneven
 
 
@@ -38,7 +38,7 @@ def x8(qk, t: str, shape: tuple[int, ...], seed: int = 0) -> tuple[QTensor, QTen
     return q, qk.repack(q, kernels.host_layout(q)), W
 
 
-@pytest.mark.parametrize("t", ["Q4_K", "Q6_K", "MXFP4"])
+@pytest.mark.parametrize("t", LAYOUT_TYPES["x8"])
 @pytest.mark.parametrize("k", [512, 2816])
 def test_repack_is_lossless(qk, t, k):
     q, p, _ = x8(qk, t, (40, k))
@@ -70,7 +70,7 @@ def test_layout_rules(qk):
         qk.ext.matvec(p.raw, 0, p.code, 36, 512, torch.randn(512))
 
 
-@pytest.mark.parametrize("t", ["Q4_K", "Q6_K", "MXFP4"])
+@pytest.mark.parametrize("t", LAYOUT_TYPES["x8"])
 @pytest.mark.parametrize("k", [512, 2816])
 def test_products_equal_file_layout(qk, t, k):
     q, p, W = x8(qk, t, (40, k))                       # 5 groups: two pairs and a lone group on avx512
@@ -86,7 +86,8 @@ def test_products_equal_file_layout(qk, t, k):
               tol * (1 if not bf16 else 1e3), f"gemm bf16={bf16}")
 
 
-@pytest.mark.parametrize("gt,dt", [("Q4_K", "Q6_K"), ("Q4_K", "Q4_K"), ("MXFP4", "MXFP4")])
+@pytest.mark.parametrize("gt,dt", [("Q4_K", "Q6_K"), ("Q4_K", "Q4_K"), ("MXFP4", "MXFP4"),
+                                   ("IQ4_XS", "IQ4_NL")])
 def test_experts_equal_file_layout(qk, gt, dt):
     """moe_decode and moe_prefill (rows kernel and GEMM path) on x8 stacks, fused gate_up and separate,
     against the same stacks as stored. The same int8 values, in another float order: mostly within 1e-6
@@ -138,13 +139,13 @@ def test_loader_holds_x8_in_place_of_the_file(qk):
     got = hold.matrix(other, "non_experts", "accelerator")
     assert got.layout == "x8" and torch.equal(qk.repack(got, "ggml").raw, GGUFFile(meta).qtensor(other).raw)
     assert hold.ledger.held_bytes("non_experts") == got.nbytes
-    kept = next(t.name for t in meta.tensors if len(t.shape) == 2 and t.ggml_type not in ("Q4_K", "Q6_K"))
+    kept = next(t.name for t in meta.tensors if len(t.shape) == 2 and t.ggml_type not in LAYOUT_TYPES["x8"])
     assert hold.matrix(kept, "non_experts", "accelerator").layout == "ggml"
     plain = Holder(GGUFFile(meta), torch.device("cpu"), hugepages=False)
     assert plain.matrix(names[0], "experts", "host").layout == "ggml"
 
 
-@pytest.mark.parametrize("t", ["Q4_K", "Q6_K", "MXFP4"])
+@pytest.mark.parametrize("t", LAYOUT_TYPES["x8"])
 def test_isas_give_identical_products(t):
     ks = [kernels.quant_kernels(i) for i in ("avx2", "avx512") if not kernels.missing_flags(i)]
     ks = [k for k in ks if not isinstance(k, str)]

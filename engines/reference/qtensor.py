@@ -7,9 +7,9 @@ The reference engine never expands a matrix into a whole float copy: it computes
 `row_bytes` long; an expert stack (E, N, K) is E matrices of N rows each, expert e starting at byte
 e * N * row_bytes.
 
-`layout` says how the bytes are ordered: "ggml" (as the file stores them) or "x8" (Q4_K, Q6_K with 8
+`layout` says how the bytes are ordered: "ggml" (as the file stores them) or "x8" (LAYOUT_TYPES with 8
 rows interleaved per block, made once at load for the CPU kernels, held instead of the file's bytes:
-engines/reference/kernels/quant_x8.h, quant_x8_q6.h). An x8 tensor has whole groups of 8 rows and the
+engines/reference/kernels/quant_x8*.h). An x8 tensor has whole groups of 8 rows and the
 file's size (`row_bytes` is a row's share of a group); only the CPU kernels read it, and
 kernels.QuantKernels.repack converts either way, losslessly.
 """
@@ -28,7 +28,7 @@ COMPUTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_N
 # interleaved layouts (a permutation of the file's bytes: the same size): name -> (rows per group, the
 # kernels' type-code offset); the types each one exists for
 LAYOUTS = {"x8": (8, 1000)}
-LAYOUT_TYPES = {"x8": ("Q4_K", "Q6_K", "MXFP4")}
+LAYOUT_TYPES = {"x8": ("Q4_K", "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS")}
 
 
 @dataclass(frozen=True)

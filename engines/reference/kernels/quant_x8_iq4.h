@@ -1,0 +1,99 @@
+// IQ4_NL and IQ4_XS with 8 rows interleaved (QTensor layout "x8": every matrix of an IQ4_XS file such as
+// gemma-4's), as quant_x8_mx.h does for MXFP4. A group of 8 rows holds per block exactly the bytes of its
+// 8 blocks, reordered:
+//   IQ4_NL (144 = 8 x 18):   d[8] f16; qs[4 steps l][8 rows][4 bytes]
+//   IQ4_XS (1088 = 8 x 136): d[8] f16; scales_h[8] u16; scales_l[8] (4 bytes each);
+//                            qs[8 sub-blocks j][4 steps l][8 rows][4 bytes]
+// Step l of a 32-value block holds each row's qs[4l ..]: low nibbles are values 4l.., high ones 16 + 4l...
+// The codes are kvalues_iq4nl, signed: vpmaddubsw takes |kv| and x negated where kv < 0 (ggml's
+// mul_sum_i8_pairs; kv is never 0), and as |kv| <= 127 a pair sum can reach 32258, so each step's pair sums
+// go straight into vpmaddwd with the block's scale (1 for IQ4_NL, ls_j - 32 for IQ4_XS): the integers of
+// ggml's vec_dot_iq4_nl_q8_0 / vec_dot_iq4_xs_q8_K, times d_x d_w per block (super-block).
+#pragma once
+#include "quant_x8_mx.h"
+
+namespace qk {
+
+// sum[r] += sum over the 32-value block at qs (4 steps, group stride gs) of kv . q[r][0..31], each step's
+// pair sums times sc (an int16 pair per row)
+template <class V, int NX>
+static inline void iq4_block(const uint8_t* qs, int64_t gs, const int8_t* const* q, typename V::I sc, typename V::I* sum) {
+  using I = typename V::I;
+  const I m4 = V::set1(0x0f0f0f0f), kv = V::mask(KV_IQ4NL), ka = V::mask(KV_IQ4NL_ABS);
+  _Pragma("GCC unroll 4") for (int l = 0; l < 4; ++l) {
+    const I w = V::load(qs + 32 * l, gs), nl = V::and_(w, m4), nh = V::and_(V::srl16(w, 4), m4);
+    const I sl = V::shuffle(kv, nl), sh = V::shuffle(kv, nh), ul = V::shuffle(ka, nl), uh = V::shuffle(ka, nh);
+    FOR_X {
+      int32_t a, h;
+      memcpy(&a, q[r] + 4 * l, 4);
+      memcpy(&h, q[r] + 16 + 4 * l, 4);
+      const I pl = V::maddubs(ul, V::sign8(V::set1(a), sl)), ph = V::maddubs(uh, V::sign8(V::set1(h), sh));
+      sum[r] = V::add(sum[r], V::add(V::madd(pl, sc), V::madd(ph, sc)));
+    }
+  }
+}
+
+struct IQ4_NL_X8 : X8Layout<IQ4_NL_X8, IQ4_NL> {
+  static constexpr int G = 8, QK = 32, SRC = 18, GBYTES = G * SRC, BYTES = SRC, QS = 16;
+  static constexpr XFmt FMT = X_Q8_0;
+
+  template <class F> static void pieces(int r, const F& f) {
+    f(0, 2 * r, 2);
+    for (int l = 0; l < 4; ++l) f(2 + 4 * l, QS + 32 * l + 4 * r, 4);
+  }
+
+  template <class V, int NX> static void dot_v(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
+    using I = typename V::I;
+    const int64_t gs = K / QK * GBYTES;
+    typename V::F acc[NX];
+    FOR_X acc[r] = V::fzero();
+    const I ones = V::set1(0x00010001);
+    for (int64_t b = 0; b < K / QK; ++b, g += GBYTES) {
+      I sum[NX];
+      const int8_t* q[NX];
+      FOR_X { sum[r] = V::zero(); q[r] = x[r].q + QK * b; }
+      iq4_block<V, NX>(g + QS, gs, q, ones, sum);
+      const typename V::F dw = V::half(g, gs);
+      FOR_X acc[r] = V::fma(V::mul(dw, V::fset1(x[r].d[b])), sum[r], acc[r]);
+    }
+    FOR_X V::store(out + r * ldo, acc[r]);
+  }
+};
+
+struct IQ4_XS_X8 : X8Layout<IQ4_XS_X8, IQ4_XS> {
+  static constexpr int G = 8, QK = 256, SRC = 136, GBYTES = G * SRC, BYTES = SRC, SH = 16, SL = 32, QS = 64;
+  static constexpr XFmt FMT = X_Q8_K;
+
+  template <class F> static void pieces(int r, const F& f) {
+    f(0, 2 * r, 2);
+    f(2, SH + 2 * r, 2);
+    f(4, SL + 4 * r, 4);
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < 4; ++l) f(8 + 16 * j + 4 * l, QS + 128 * j + 32 * l + 4 * r, 4);
+  }
+
+  template <class V, int NX> static void dot_v(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
+    using I = typename V::I;
+    const int64_t gs = K / QK * GBYTES;
+    typename V::F acc[NX];
+    FOR_X acc[r] = V::fzero();
+    const I m4 = V::set1(15), m2 = V::set1(3), m16 = V::set1(0xffff), k32 = V::set1(32);
+    for (int64_t b = 0; b < K / QK; ++b, g += GBYTES) {
+      const I sh = V::u16(g + SH, gs), sl = V::load(g + SL, gs);      // a row's scale bits in its 32-bit lane
+      I sum[NX];
+      FOR_X sum[r] = V::zero();
+      for (int j = 0; j < 8; ++j) {
+        // ls_j - 32 (ggml's dequantize_row_iq4_xs) as the same int16 twice in each row's lane
+        const I sc = V::sub(V::or_(V::and_(V::srl32(sl, 4 * j), m4), V::sll32(V::and_(V::srl32(sh, 2 * j), m2), 4)), k32);
+        const int8_t* q[NX];
+        FOR_X q[r] = x[r].q + QK * b + 32 * j;
+        iq4_block<V, NX>(g + QS + 128 * j, gs, q, V::or_(V::and_(sc, m16), V::sll32(sc, 16)), sum);
+      }
+      const typename V::F dw = V::half(g, gs);
+      FOR_X acc[r] = V::fma(V::mul(dw, V::fset1(x[r].d[b])), sum[r], acc[r]);
+    }
+    FOR_X V::store(out + r * ldo, acc[r]);
+  }
+};
+
+}  // namespace qk
