@@ -1,5 +1,5 @@
-"""The CPU kernels' interleaved Q4_K, Q6_K, MXFP4, IQ4_NL and IQ4_XS layout (QTensor layout "x8", kernels/quant_x8.h,
-quant_x8_q6.h, quant_x8_mx.h, quant_x8_iq4.h)
+"""The CPU kernels' interleaved layout of Q4_K, Q6_K, MXFP4, Q8_0, IQ4_NL and IQ4_XS (QTensor layout "x8",
+kernels/quant_x8.h, quant_x8_q6.h, quant_x8_mx.h, quant_x8_signed.h)
 on both ISA variants, against the file layout's kernels (which tests/test_quant_kernels.py holds to
 llama.cpp's own code).
 
@@ -57,8 +57,8 @@ def test_layout_rules(qk):
     assert kernels.host_layout(qtensor("Q5_K", (40, 512))[0]) == "ggml"
     with pytest.raises(ValueError, match="whole groups of 8"):
         QTensor(q.raw, "Q4_K", (37, 512), "x8").validate()
-    with pytest.raises(ValueError, match="layout 'x8' does not exist for Q8_0"):
-        QTensor(q.raw, "Q8_0", (40, 512), "x8").validate()
+    with pytest.raises(ValueError, match="layout 'x8' does not exist for Q5_K"):
+        QTensor(q.raw, "Q5_K", (40, 512), "x8").validate()
     p = qk.repack(qtensor("Q4_K", (40, 512))[0], "x8")
     with pytest.raises(ValueError, match="split a group"):
         p.rows(4, 12)
@@ -87,7 +87,8 @@ def test_products_equal_file_layout(qk, t, k):
 
 
 @pytest.mark.parametrize("gt,dt", [("Q4_K", "Q6_K"), ("Q4_K", "Q4_K"), ("MXFP4", "MXFP4"),
-                                   ("IQ4_XS", "IQ4_NL")])
+                                   ("IQ4_XS", "IQ4_NL"),
+                                   ("Q8_0", "Q8_0")])
 def test_experts_equal_file_layout(qk, gt, dt):
     """moe_decode and moe_prefill (rows kernel and GEMM path) on x8 stacks, fused gate_up and separate,
     against the same stacks as stored. The same int8 values, in another float order: mostly within 1e-6

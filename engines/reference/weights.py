@@ -4,7 +4,7 @@ Every matrix stays as the file stores it (a QTensor: its bytes and ggml type), i
 file mapping itself (zero-copy), one copy of the same bytes on 2 MiB pages (CPU), or one copy on the GPU /
 in page-locked host memory (CUDA). A copy releases the mapping's pages, so no tensor is ever held twice.
 Matrices the CPU kernels compute (every matrix of a CPU-device run) may instead be held in an interleaved
-layout made once here (kernels.host_layout: Q4_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS as "x8", the same bytes
+layout made once here (kernels.host_layout: the types of LAYOUT_TYPES as "x8", the same bytes
 reordered), again in place of the file's bytes, never beside them.
 Vectors (norms, biases, sinks, scales: at most a few KiB a layer) are held as f32 tensors.
 """

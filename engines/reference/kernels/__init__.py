@@ -4,9 +4,9 @@ and the fused one-token steps of the common transformer block.
 quant.cpp (products, pybind), quant_types.h (per ggml type a bit-exact dequant_row and a dot against
 1..NX activation rows), quant_act.h (x converted to the weight type's ggml vec_dot_type: f32, f16,
 bf16, Q8_0, Q8_1 or Q8_K, with ggml's own rounding), quant_simd.h (SIMD helpers), decode.h (attention
-and routing of one token, one call each), quant_x8.h / quant_x8_q6.h / quant_x8_mx.h / quant_x8_iq4.h (Q4_K, Q6_K,
-MXFP4, IQ4_NL and IQ4_XS with 8 rows interleaved: QTensor layout "x8", made at load by weights.Holder through
-repack, host_layout says where).
+and routing of one token, one call each), quant_x8.h / quant_x8_q6.h / quant_x8_mx.h / quant_x8_signed.h (Q4_K,
+Q6_K, MXFP4, Q8_0, IQ4_NL and IQ4_XS with 8 rows interleaved: QTensor layout "x8", made at load by
+weights.Holder through repack, host_layout says where).
 Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K, IQ4_XS. A product
 multiplies exactly the int8 values and scales ggml's x86 dots multiply (only the order of the float
 additions differs), so the engine's logits follow llama.cpp's to ~1e-5 on quantized files.

@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "quant_x8_iq4.h"
+#include "quant_x8_signed.h"
 
 namespace {
 using namespace qk;
@@ -70,8 +70,8 @@ enum : int64_t { GGML_F32 = 0, GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_
                  GGML_MXFP4 = 39,
                  // interleaved layouts: LAYOUT_X8 + the ggml type (engines/reference/qtensor.py LAYOUTS)
                  LAYOUT_X8 = 1000, GGML_Q4_K_X8 = LAYOUT_X8 + GGML_Q4_K, GGML_Q6_K_X8 = LAYOUT_X8 + GGML_Q6_K,
-                 GGML_MXFP4_X8 = LAYOUT_X8 + GGML_MXFP4, GGML_IQ4_NL_X8 = LAYOUT_X8 + GGML_IQ4_NL,
-                 GGML_IQ4_XS_X8 = LAYOUT_X8 + GGML_IQ4_XS };
+                 GGML_MXFP4_X8 = LAYOUT_X8 + GGML_MXFP4, GGML_Q8_0_X8 = LAYOUT_X8 + GGML_Q8_0,
+                 GGML_IQ4_NL_X8 = LAYOUT_X8 + GGML_IQ4_NL, GGML_IQ4_XS_X8 = LAYOUT_X8 + GGML_IQ4_XS };
 
 const Kernel& kernel_of(int64_t type) {
   static const Kernel f32 = kernel<F32>(), f16 = kernel<F16>(), bf16 = kernel<BF16>(), q8_0 = kernel<Units<Q8_0>>(),
@@ -81,6 +81,7 @@ const Kernel& kernel_of(int64_t type) {
       iq4_xs = kernel<KUnits<IQ4_XS>>(), q4_k_x8 = group_kernel<Q4_K_X8>(std::make_index_sequence<GNX>()),
       q6_k_x8 = group_kernel<Q6_K_X8>(std::make_index_sequence<GNX>()),
       mxfp4_x8 = group_kernel<MXFP4_X8>(std::make_index_sequence<GNX>()),
+      q8_0_x8 = group_kernel<Q8_0_X8>(std::make_index_sequence<GNX>()),
       iq4_nl_x8 = group_kernel<IQ4_NL_X8>(std::make_index_sequence<GNX>()),
       iq4_xs_x8 = group_kernel<IQ4_XS_X8>(std::make_index_sequence<GNX>());
   switch (type) {
@@ -90,7 +91,7 @@ const Kernel& kernel_of(int64_t type) {
     case GGML_MXFP4: return mxfp4;   case GGML_Q4_K: return q4_k;     case GGML_Q5_K: return q5_k;
     case GGML_Q6_K: return q6_k;     case GGML_IQ4_XS: return iq4_xs; case GGML_Q4_K_X8: return q4_k_x8;
     case GGML_Q6_K_X8: return q6_k_x8;
-    case GGML_MXFP4_X8: return mxfp4_x8; case GGML_IQ4_NL_X8: return iq4_nl_x8; case GGML_IQ4_XS_X8: return iq4_xs_x8;
+    case GGML_Q8_0_X8: return q8_0_x8;   case GGML_MXFP4_X8: return mxfp4_x8; case GGML_IQ4_NL_X8: return iq4_nl_x8; case GGML_IQ4_XS_X8: return iq4_xs_x8;
   }
   TORCH_CHECK_VALUE(false, "unsupported ggml type ", type);
 }
@@ -256,7 +257,7 @@ at::Tensor embed(at::Tensor raw, int64_t off, int64_t type, int64_t n_rows, int6
 }
 
 // n_rows rows of k values (whole groups) from layout `from` in src to layout `to` in out: a ggml type and
-// its interleaved layout (kernel_of codes: Q4_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS <-> LAYOUT_X8 + them), a permutation of the bytes
+// its interleaved layout (kernel_of codes: the types of qtensor.LAYOUT_TYPES <-> LAYOUT_X8 + them), a permutation of the bytes
 void repack(at::Tensor src, int64_t from, int64_t to, int64_t n_rows, int64_t k, at::Tensor out) {
   const bool pack = to == from + LAYOUT_X8;
   TORCH_CHECK_VALUE((pack || from == to + LAYOUT_X8) && (pack ? to : from) >= LAYOUT_X8 && kernel_of(pack ? to : from).pack,

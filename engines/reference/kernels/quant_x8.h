@@ -10,7 +10,7 @@
 // The integers and scales multiplied are ggml's (vec_dot_q4_K_q8_K): per super-block and row an int32
 // sum_j sc_j dot(u_j, q_j) times d_x d_w, minus d_x dmin_w sum_j m_j bsum_j; only the float additions'
 // order differs. Repacking is a permutation of bytes: unpack gives the file's bytes back.
-// Also here, for every x8 layout (quant_x8_q6.h, quant_x8_mx.h, quant_x8_iq4.h): the vector ops on 8 or 16 rows (V8, V16) and
+// Also here, for every x8 layout (quant_x8_q6.h, quant_x8_mx.h, quant_x8_signed.h): the vector ops on 8 or 16 rows (V8, V16) and
 // X8Layout (pack, unpack and dequant_lane from a layout's map of where each piece of a row's block goes).
 #pragma once
 #include "quant_ktypes.h"
@@ -63,7 +63,8 @@ struct V8 {
   static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
   static I madd(I a, I b) { return _mm256_madd_epi16(a, b); }
   static I maddubs(I u, I s) { return _mm256_maddubs_epi16(u, s); }
-  static I sign8(I a, I s) { return _mm256_sign_epi8(a, s); }          // a negated where s < 0 (s != 0)
+  static I sign8(I a, I s) { return _mm256_sign_epi8(a, s); }    // a negated where s < 0 (where s == 0: 0)
+  static I abs8(I a) { return _mm256_abs_epi8(a); }
   static I u16(const uint8_t* p, int64_t) { return _mm256_cvtepu16_epi32(ld16(p)); }
 #ifdef __AVX512VNNI__
   static constexpr bool DPBUSD = true;
@@ -105,6 +106,7 @@ struct V16 {
   static I madd(I a, I b) { return _mm512_madd_epi16(a, b); }
   static I maddubs(I u, I s) { return _mm512_maddubs_epi16(u, s); }
   static I sign8(I a, I s) { return _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(s), _mm512_setzero_si512(), a); }
+  static I abs8(I a) { return _mm512_abs_epi8(a); }
   static I u16(const uint8_t* p, int64_t gs) { return _mm512_cvtepu16_epi32(_mm256_set_m128i(ld16(p + gs), ld16(p))); }
   static constexpr bool DPBUSD = true;
   static I dpbusd(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }

@@ -1,14 +1,15 @@
-// IQ4_NL and IQ4_XS with 8 rows interleaved (QTensor layout "x8": every matrix of an IQ4_XS file such as
-// gemma-4's), as quant_x8_mx.h does for MXFP4. A group of 8 rows holds per block exactly the bytes of its
-// 8 blocks, reordered:
+// The types with signed codes with 8 rows interleaved (QTensor layout "x8"): Q8_0, and IQ4_NL and IQ4_XS (every
+// matrix of an IQ4_XS file such as gemma-4's), as quant_x8_mx.h does for MXFP4. A group of 8 rows holds per
+// block exactly the bytes of its 8 blocks, reordered:
+//   Q8_0 (272 = 8 x 34):     d[8] f16; qs[8 steps l][8 rows][4 bytes]: each row's qs[4l ..]
 //   IQ4_NL (144 = 8 x 18):   d[8] f16; qs[4 steps l][8 rows][4 bytes]
 //   IQ4_XS (1088 = 8 x 136): d[8] f16; scales_h[8] u16; scales_l[8] (4 bytes each);
 //                            qs[8 sub-blocks j][4 steps l][8 rows][4 bytes]
-// Step l of a 32-value block holds each row's qs[4l ..]: low nibbles are values 4l.., high ones 16 + 4l...
-// The codes are kvalues_iq4nl, signed: vpmaddubsw takes |kv| and x negated where kv < 0 (ggml's
-// mul_sum_i8_pairs; kv is never 0), and as |kv| <= 127 a pair sum can reach 32258, so each step's pair sums
-// go straight into vpmaddwd with the block's scale (1 for IQ4_NL, ls_j - 32 for IQ4_XS): the integers of
-// ggml's vec_dot_iq4_nl_q8_0 / vec_dot_iq4_xs_q8_K, times d_x d_w per block (super-block).
+// Step l of an IQ4 32-value block holds each row's qs[4l ..]: low nibbles are values 4l.., high ones 16 + 4l...
+// The codes (Q8_0's qs, IQ4's kvalues_iq4nl) are signed: vpmaddubsw takes |w| and x negated where w < 0
+// (ggml's mul_sum_i8_pairs), and as |w| <= 128 a pair sum can reach 32512, so each step's pair sums go
+// straight into vpmaddwd with the block's scale (1, or IQ4_XS's ls_j - 32): the integers of ggml's
+// vec_dot_q8_0_q8_0 / vec_dot_iq4_nl_q8_0 / vec_dot_iq4_xs_q8_K, times d_x d_w per block (super-block).
 #pragma once
 #include "quant_x8_mx.h"
 
@@ -32,6 +33,39 @@ static inline void iq4_block(const uint8_t* qs, int64_t gs, const int8_t* const*
     }
   }
 }
+
+struct Q8_0_X8 : X8Layout<Q8_0_X8, Q8_0> {
+  static constexpr int G = 8, QK = 32, SRC = 34, GBYTES = G * SRC, BYTES = SRC, QS = 16;
+  static constexpr XFmt FMT = X_Q8_0;
+
+  template <class F> static void pieces(int r, const F& f) {
+    f(0, 2 * r, 2);
+    for (int l = 0; l < 8; ++l) f(2 + 4 * l, QS + 32 * l + 4 * r, 4);
+  }
+
+  template <class V, int NX> static void dot_v(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
+    using I = typename V::I;
+    const int64_t gs = K / QK * GBYTES;
+    typename V::F acc[NX];
+    FOR_X acc[r] = V::fzero();
+    const I ones = V::set1(0x00010001);
+    for (int64_t b = 0; b < K / QK; ++b, g += GBYTES) {
+      I sum[NX];
+      FOR_X sum[r] = V::zero();
+      _Pragma("GCC unroll 8") for (int l = 0; l < 8; ++l) {
+        const I w = V::load(g + QS + 32 * l, gs), u = V::abs8(w);
+        FOR_X {
+          int32_t a;
+          memcpy(&a, x[r].q + QK * b + 4 * l, 4);
+          sum[r] = V::add(sum[r], V::madd(V::maddubs(u, V::sign8(V::set1(a), w)), ones));
+        }
+      }
+      const typename V::F dw = V::half(g, gs);
+      FOR_X acc[r] = V::fma(V::mul(dw, V::fset1(x[r].d[b])), sum[r], acc[r]);
+    }
+    FOR_X V::store(out + r * ldo, acc[r]);
+  }
+};
 
 struct IQ4_NL_X8 : X8Layout<IQ4_NL_X8, IQ4_NL> {
   static constexpr int G = 8, QK = 32, SRC = 18, GBYTES = G * SRC, BYTES = SRC, QS = 16;
