@@ -235,6 +235,11 @@ class QuantKernels:
         """Experts.prefill of the stack (experts())."""
         return self.experts(gate, up, down, act, alpha, limit, gate_bias, up_bias, down_bias).prefill(x, ids, w, bf16)
 
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """RMS norm over x's last dim (f32) times w (none: no weight), with ggml's arithmetic (decode.h norm_row)
+        in one pass: F.rms_norm's ATen ops take ~10x as long on the CPU (23 us for one 2816-value row)."""
+        return self.ext.rms_norm(x.contiguous(), w, eps)
+
     def norm_rope_(self, t: torch.Tensor, norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                    pos: int, neox: bool, hd: int) -> torch.Tensor:
         """model.attention's q or k norm and RoPE in place, one pass over t (n, heads * hd) f32 instead of ~10 ATen

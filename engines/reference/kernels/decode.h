@@ -262,6 +262,21 @@ void norm_row(const float* x, const float* w, float* y, int64_t d, double eps) {
   for (int64_t i = 0; i < d; ++i) y[i] = x[i] * scale * (w ? w[i] : 1.f);
 }
 
+// RMS norm of each row of x (..., d) f32 contiguous, times w (d) or none: a new tensor
+at::Tensor rms_norm(at::Tensor x, std::optional<at::Tensor> w, double eps) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous(),
+                    "x: contiguous f32 CPU tensor");
+  const int64_t d = x.size(-1), n = d ? x.numel() / d : 0;
+  const float* wp = f32_or_null(w, d, "w");
+  at::Tensor y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, std::max<int64_t>(1, grain(d * 16)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) norm_row(xp + r * d, wp, yp + r * d, d, eps);
+  });
+  return y;
+}
+
 // One position's q or k projection t (heads * hd values) in place: each group of g values RMS-normed with w
 // (g = hd: per head, qwen3moe; g = the whole projection: olmoe; w null: no norm), then each head rotated by
 // RoPE with that position's cos/sin (hd): y = x cos + rotate(x) sin (one fma onto the rounded x cos, as

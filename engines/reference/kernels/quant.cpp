@@ -430,6 +430,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("act", &act);
   m.def("attn_decode", &attn_decode);
   m.def("norm_rope_", &norm_rope_);
+  m.def("rms_norm", &rms_norm);
   m.def("route_decode", &route_decode);
   m.attr("BF16_GEMM") = BF16_GEMM;
   m.attr("X_FORMATS") = std::vector<std::string>{"F32", "F16", "BF16", "Q8_0", "Q8_1", "Q8_K"};

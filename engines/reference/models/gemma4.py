@@ -99,10 +99,10 @@ class Gemma4(Transformer):
         cfg, lw, eps = self.cfg, self.layers[il], self.cfg.rms_eps
         K, V = self.caches[il]
         n, H, (Hkv, _, hd), swa = x.shape[0], cfg.n_head, K.shape, cfg.is_swa(il)
-        h = F.rms_norm(x, (cfg.n_embd,), lw["attn_norm.weight"], eps)
+        h = self.linear.norm(x, lw["attn_norm.weight"], eps)
         wv = lw.get("attn_v.weight")                                              # absent: V is the K projection
         proj = [self.linear(h, w) for w in (lw["attn_q.weight"], lw["attn_k.weight"], wv) if w is not None]
-        r = F.rms_norm(torch.cat(proj, dim=-1).view(n, -1, hd), (hd,), None, eps)  # (n, H+Hkv[+Hkv], hd) per head
+        r = self.linear.norm(torch.cat(proj, dim=-1).view(n, -1, hd), None, eps)   # (n, H+Hkv[+Hkv], hd) per head
         cos, sin = self.rope[swa]
         c, s = cos[pos:pos + n, None], sin[pos:pos + n, None]                     # (n, 1, n_rot)
         qk = rope(r[:, :H + Hkv] * self.qk_norm[il], c, s)                        # q_norm, k_norm, then RoPE
@@ -124,24 +124,24 @@ class Gemma4(Transformer):
                                                scale=1.0, enable_gqa=True)        # (1, H, n, hd)
             o = o[0].transpose(0, 1).reshape(n, H * hd)
         o = self.linear(o.float(), lw["attn_output.weight"])
-        return F.rms_norm(o, (cfg.n_embd,), lw["post_attention_norm.weight"], eps)
+        return self.linear.norm(o, lw["post_attention_norm.weight"], eps)
 
     def ffn(self, il: int, x: torch.Tensor) -> torch.Tensor:
         """x: (n, D) attn_out -> post_ffw_norm(post_ffw_norm_1(dense MLP) + post_ffw_norm_2(experts)) (n, D).
         The router reads attn_out itself (normed, scaled), not the experts' pre_ffw_norm_2 input."""
-        cfg, lw, eps, D = self.cfg, self.layers[il], self.cfg.rms_eps, self.cfg.n_embd
-        u = F.rms_norm(x, (D,), None, eps)                                        # (n, D)
+        cfg, lw, eps = self.cfg, self.layers[il], self.cfg.rms_eps
+        u = self.linear.norm(x, None, eps)                                        # (n, D)
         h = u * lw["ffn_norm.weight"]
         a = self.gelu(self.linear(h, lw["ffn_gate.weight"]), self.linear(h, lw["ffn_up.weight"]))   # (n, n_ff)
-        mlp = F.rms_norm(self.linear(a, lw["ffn_down.weight"]), (D,), lw["post_ffw_norm_1.weight"], eps)
+        mlp = self.linear.norm(self.linear(a, lw["ffn_down.weight"]), lw["post_ffw_norm_1.weight"], eps)
         w, ids = route(cfg, lw, self.linear, u * self.router_scale[il])          # (n, k) each
         moe = self.moe(il, u * lw["pre_ffw_norm_2.weight"], ids, w)              # per-expert scale inside
-        moe = F.rms_norm(moe, (D,), lw["post_ffw_norm_2.weight"], eps)
-        return F.rms_norm(mlp + moe, (D,), lw["post_ffw_norm.weight"], eps)
+        moe = self.linear.norm(moe, lw["post_ffw_norm_2.weight"], eps)
+        return self.linear.norm(mlp + moe, lw["post_ffw_norm.weight"], eps)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """(m, D) -> logits (m, V): output_norm, the tied head, cap * tanh(logits / cap)."""
         cfg = self.cfg
-        logits = self.linear(F.rms_norm(x, (cfg.n_embd,), self.top["output_norm.weight"], cfg.rms_eps),
+        logits = self.linear(self.linear.norm(x, self.top["output_norm.weight"], cfg.rms_eps),
                              self.top["output.weight"])
         return torch.tanh(logits * (1.0 / cfg.softcap)) * cfg.softcap if cfg.softcap else logits

@@ -89,7 +89,7 @@ class GptOss(Transformer):
         """x (n, D) f32 at positions pos..pos+n-1 -> attention output (n, D) f32; writes K/V at those positions."""
         cfg, lw, lin = self.cfg, self.layers[il], self.linear
         n, H, Hkv, hd = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        h = F.rms_norm(x, (cfg.n_embd,), lw["attn_norm.weight"], cfg.rms_eps)
+        h = self.linear.norm(x, lw["attn_norm.weight"], cfg.rms_eps)
         q = lin(h, lw["attn_q.weight"], lw.get("attn_q.bias"))                   # (n, H*hd)
         k = lin(h, lw["attn_k.weight"], lw.get("attn_k.bias"))                   # (n, Hkv*hd)
         v = lin(h, lw["attn_v.weight"], lw.get("attn_v.bias"))
@@ -123,7 +123,7 @@ class GptOss(Transformer):
     def ffn(self, il: int, x: torch.Tensor) -> torch.Tensor:
         """x (n, D) f32 residual -> routed experts' output (n, D) f32."""
         cfg, lw = self.cfg, self.layers[il]
-        h = F.rms_norm(x, (cfg.n_embd,), lw["post_attention_norm.weight"], cfg.rms_eps)
+        h = self.linear.norm(x, lw["post_attention_norm.weight"], cfg.rms_eps)
         logits = self.linear(h, lw["ffn_gate_inp.weight"], lw["ffn_gate_inp.bias"])   # (n, E)
         top, ids = logits.topk(cfg.n_expert_used, dim=-1)                           # top-k of the raw logits
         return self.moe(il, h, ids, torch.softmax(top, dim=-1))

@@ -144,9 +144,9 @@ class Qwen35MoE(Transformer):
         cfg, lw = self.cfg, self.layers[il]
         if il >= cfg.n_trunk:                                              # MTP block: not in the main graph
             return x
-        h = F.rms_norm(x, (cfg.n_embd,), lw["attn_norm.weight"], cfg.rms_eps)
+        h = self.linear.norm(x, lw["attn_norm.weight"], cfg.rms_eps)
         x = x + (self.deltanet(il, h) if cfg.recurrent(il) else self.attention(il, h, pos))
-        h = F.rms_norm(x, (cfg.n_embd,), lw["post_attention_norm.weight"], cfg.rms_eps)    # (n, D)
+        h = self.linear.norm(x, lw["post_attention_norm.weight"], cfg.rms_eps)    # (n, D)
         w, ids = route(cfg, lw, self.linear, h)              # softmax over all, top-k, renormalized
         return x + self.moe(il, h, ids, w) + shared_expert(lw, self.linear, h)
 

@@ -45,6 +45,13 @@ class Products:
                            for r in range(0, w.n_rows, rows)], dim=-1).float()
         return y if b is None else y + b
 
+    def norm(self, x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """RMS norm over x's last dim times w (None: no weight): the kernels' one pass on the CPU, ATen's
+        elsewhere."""
+        if x.device.type == "cpu" and self.kernels is not None:
+            return self.kernels.rms_norm(x, w, eps)
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+
     def embed(self, w: QTensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows ids (n,) of a stored (V, D) matrix -> (n, D) f32: only those rows are dequantized (on the CPU by
         the kernels in one call, elsewhere by dequant.py; bit-exact either way)."""
@@ -91,7 +98,7 @@ def attention(cfg: Hparams, lw: Layer, linear: Products, Kc: torch.Tensor, Vc: t
     """x: (n, D) f32 residual -> attention output (n, D) f32, writing K/V into the layer's cache
     Kc, Vc (Hkv, n_ctx, hd) at pos..pos+n-1. cos/sin: rope_tables."""
     n, H, Hkv, hd = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
-    h = F.rms_norm(x, (cfg.n_embd,), lw["attn_norm.weight"], cfg.rms_eps)
+    h = linear.norm(x, lw["attn_norm.weight"], cfg.rms_eps)
     q = linear(h, lw["attn_q.weight"], lw.get("attn_q.bias"))           # (n, H*hd)
     k = linear(h, lw["attn_k.weight"], lw.get("attn_k.bias"))           # (n, Hkv*hd)
     v = linear(h, lw["attn_v.weight"], lw.get("attn_v.bias"))
@@ -219,13 +226,13 @@ class Transformer:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final residual rows (m, D) -> logits (m, V) f32."""
-        x = F.rms_norm(x, (self.cfg.n_embd,), self.top["output_norm.weight"], self.cfg.rms_eps)
+        x = self.linear.norm(x, self.top["output_norm.weight"], self.cfg.rms_eps)
         return self.linear(x, self.top["output.weight"])
 
     def _ffn(self, il: int, x: torch.Tensor) -> torch.Tensor:
         """x: (n, D) f32 residual -> MoE output (n, D) f32 (plus qwen2moe's gated shared expert)."""
         cfg, lw = self.cfg, self.layers[il]
-        h = F.rms_norm(x, (cfg.n_embd,), lw["ffn_norm.weight"], cfg.rms_eps)   # (n, D) f32
+        h = self.linear.norm(x, lw["ffn_norm.weight"], cfg.rms_eps)             # (n, D) f32
         w, ids = route(cfg, lw, self.linear, h)                                # (n, k) each
         out = self.moe(il, h, ids, w)                                          # (n, D) f32
         if cfg.has("shared_expert_gated"):
