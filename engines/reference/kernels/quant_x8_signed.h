@@ -34,6 +34,23 @@ static inline void iq4_block(const uint8_t* qs, int64_t gs, const int8_t* const*
   }
 }
 
+// out[r * ldo + lane] = row lane . x[r] for a layout whose blocks start with the rows' f16 d: per block b
+// block(g, gs, b, sum) adds each row's int32 sum, then acc[r] += d_w d_x sum[r]
+template <class T, class V, int NX, class Block>
+static inline void scaled_blocks(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo, const Block& block) {
+  const int64_t gs = K / T::QK * T::GBYTES;
+  typename V::F acc[NX];
+  FOR_X acc[r] = V::fzero();
+  for (int64_t b = 0; b < K / T::QK; ++b, g += T::GBYTES) {
+    typename V::I sum[NX];
+    FOR_X sum[r] = V::zero();
+    block(g, gs, b, sum);
+    const typename V::F dw = V::half(g, gs);
+    FOR_X acc[r] = V::fma(V::mul(dw, V::fset1(x[r].d[b])), sum[r], acc[r]);
+  }
+  FOR_X V::store(out + r * ldo, acc[r]);
+}
+
 struct Q8_0_X8 : X8Layout<Q8_0_X8, Q8_0> {
   static constexpr int G = 8, QK = 32, SRC = 34, GBYTES = G * SRC, BYTES = SRC, QS = 16;
   static constexpr XFmt FMT = X_Q8_0;
@@ -45,25 +62,17 @@ struct Q8_0_X8 : X8Layout<Q8_0_X8, Q8_0> {
 
   template <class V, int NX> static void dot_v(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
     using I = typename V::I;
-    const int64_t gs = K / QK * GBYTES;
-    typename V::F acc[NX];
-    FOR_X acc[r] = V::fzero();
     const I ones = V::set1(0x00010001);
-    for (int64_t b = 0; b < K / QK; ++b, g += GBYTES) {
-      I sum[NX];
-      FOR_X sum[r] = V::zero();
+    scaled_blocks<Q8_0_X8, V, NX>(g, K, x, out, ldo, [&](const uint8_t* blk, int64_t gs, int64_t b, I* sum) {
       _Pragma("GCC unroll 8") for (int l = 0; l < 8; ++l) {
-        const I w = V::load(g + QS + 32 * l, gs), u = V::abs8(w);
+        const I w = V::load(blk + QS + 32 * l, gs), u = V::abs8(w);
         FOR_X {
           int32_t a;
           memcpy(&a, x[r].q + QK * b + 4 * l, 4);
           sum[r] = V::add(sum[r], V::madd(V::maddubs(u, V::sign8(V::set1(a), w)), ones));
         }
       }
-      const typename V::F dw = V::half(g, gs);
-      FOR_X acc[r] = V::fma(V::mul(dw, V::fset1(x[r].d[b])), sum[r], acc[r]);
-    }
-    FOR_X V::store(out + r * ldo, acc[r]);
+    });
   }
 };
 
@@ -78,19 +87,12 @@ struct IQ4_NL_X8 : X8Layout<IQ4_NL_X8, IQ4_NL> {
 
   template <class V, int NX> static void dot_v(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
     using I = typename V::I;
-    const int64_t gs = K / QK * GBYTES;
-    typename V::F acc[NX];
-    FOR_X acc[r] = V::fzero();
     const I ones = V::set1(0x00010001);
-    for (int64_t b = 0; b < K / QK; ++b, g += GBYTES) {
-      I sum[NX];
+    scaled_blocks<IQ4_NL_X8, V, NX>(g, K, x, out, ldo, [&](const uint8_t* blk, int64_t gs, int64_t b, I* sum) {
       const int8_t* q[NX];
-      FOR_X { sum[r] = V::zero(); q[r] = x[r].q + QK * b; }
-      iq4_block<V, NX>(g + QS, gs, q, ones, sum);
-      const typename V::F dw = V::half(g, gs);
-      FOR_X acc[r] = V::fma(V::mul(dw, V::fset1(x[r].d[b])), sum[r], acc[r]);
-    }
-    FOR_X V::store(out + r * ldo, acc[r]);
+      FOR_X q[r] = x[r].q + QK * b;
+      iq4_block<V, NX>(blk + QS, gs, q, ones, sum);
+    });
   }
 };
 
@@ -108,25 +110,17 @@ struct IQ4_XS_X8 : X8Layout<IQ4_XS_X8, IQ4_XS> {
 
   template <class V, int NX> static void dot_v(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
     using I = typename V::I;
-    const int64_t gs = K / QK * GBYTES;
-    typename V::F acc[NX];
-    FOR_X acc[r] = V::fzero();
     const I m4 = V::set1(15), m2 = V::set1(3), m16 = V::set1(0xffff), k32 = V::set1(32);
-    for (int64_t b = 0; b < K / QK; ++b, g += GBYTES) {
-      const I sh = V::u16(g + SH, gs), sl = V::load(g + SL, gs);      // a row's scale bits in its 32-bit lane
-      I sum[NX];
-      FOR_X sum[r] = V::zero();
+    scaled_blocks<IQ4_XS_X8, V, NX>(g, K, x, out, ldo, [&](const uint8_t* blk, int64_t gs, int64_t b, I* sum) {
+      const I sh = V::u16(blk + SH, gs), sl = V::load(blk + SL, gs);     // a row's scale bits in its 32-bit lane
       for (int j = 0; j < 8; ++j) {
         // ls_j - 32 (ggml's dequantize_row_iq4_xs) as the same int16 twice in each row's lane
         const I sc = V::sub(V::or_(V::and_(V::srl32(sl, 4 * j), m4), V::sll32(V::and_(V::srl32(sh, 2 * j), m2), 4)), k32);
         const int8_t* q[NX];
         FOR_X q[r] = x[r].q + QK * b + 32 * j;
-        iq4_block<V, NX>(g + QS + 128 * j, gs, q, V::or_(V::and_(sc, m16), V::sll32(sc, 16)), sum);
+        iq4_block<V, NX>(blk + QS + 128 * j, gs, q, V::or_(V::and_(sc, m16), V::sll32(sc, 16)), sum);
       }
-      const typename V::F dw = V::half(g, gs);
-      FOR_X acc[r] = V::fma(V::mul(dw, V::fset1(x[r].d[b])), sum[r], acc[r]);
-    }
-    FOR_X V::store(out + r * ldo, acc[r]);
+    });
   }
 };
 
