@@ -71,6 +71,16 @@ def test_held_as_stored(models, dtype):
     assert info.extra["file_dtype"] != "F32" and info.settings["extra"]["cpu_isa"] in ISAS
 
 
+def test_an_untied_embedding_stays_in_the_file_mapping(models):
+    """The token embedding of a CPU run is only read a row per token: it stays in the file's mapping (as llama.cpp's
+    mmap leaves it: a real vocabulary's rows are mostly never resident), while the output head is held."""
+    _, e = reference(models["q4_k_m"], 2, PROMPT[:4])
+    top, mapped = e.model.top, e._hold.src._buf.untyped_storage().data_ptr()
+    assert top["token_embd.weight"].raw.untyped_storage().data_ptr() == mapped
+    assert top["output.weight"].raw.untyped_storage().data_ptr() != mapped
+    assert top["output.weight"].layout == "x8"
+
+
 # Position 0 of the prompt (no KV history): max |logit diff| with llama.cpp. Block-quantized products
 # multiply exactly ggml's int8 values and scales (only float sums are ordered differently): measured <= 1e-6.
 # F16/BF16 files: the avx512 kernels' default bf16 GEMM rounds x, weights and results to bf16 (measured

@@ -178,8 +178,10 @@ class ReferenceEngine(Engine):
                                       down_b=ex.get("ffn_down_exps.bias"), scale=ex.get("ffn_down_exps.scale"),
                                       on_host=i < depth))
         layers += [{}] * (cfg.n_layers - cfg.n_trunk)
-        top = {n: take(n) for n in shapes if not n.startswith("blk.")}
-        top.setdefault("output.weight", top["token_embd.weight"])            # tied output head
+        tied = "output.weight" not in shapes                                 # the head reads token_embd
+        top = {n: hold.lookup(n) if n == "token_embd.weight" and not tied else take(n)
+               for n in shapes if not n.startswith("blk.")}
+        top.setdefault("output.weight", top["token_embd.weight"])
         linear = Products(qk, getattr(torch, {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[dtype]))
         self.moe = MoEExecutor(stacks, ocfg, device, linear, Activation(arch.activation), kernels=qk)
         module, cls = arch.model.split(":")

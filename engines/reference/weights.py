@@ -176,6 +176,16 @@ class Holder:
         self.ledger.add(group, where, qt.nbytes, raw.numel())
         return qt.with_raw(raw)
 
+    def lookup(self, name: str, group: str = "non_experts", where: str = "accelerator") -> QTensor:
+        """A matrix only ever read a row at a time (an untied token embedding): on a CPU device the file's
+        mapping itself, as llama.cpp's mmap leaves it, so that only the pages of the rows a prompt reads become
+        resident (a real vocabulary's embedding is hundreds of MB); elsewhere as matrix()."""
+        if self.cuda:
+            return self.matrix(name, group, where)
+        qt = self.src.qtensor(name)
+        self.ledger.add(group, where, qt.nbytes, qt.nbytes)
+        return qt
+
     def vector(self, name: str, group: str = "non_experts", where: str = "accelerator") -> torch.Tensor:
         """A vector as f32: on the accelerator, or on the host CPU (the biases of host experts)."""
         t = self.src.vector(name)
