@@ -14,7 +14,7 @@ ISA variant, next to the machine's read bandwidth and llama.cpp's own CPU kernel
 - moe_decode: GB/s of the expert bytes one token reads, on Qwen3-30B-A3B, gpt-oss-20b and gemma-4-26B-A4B
   shapes (those with a type among --types); moe_prefill: GFLOP/s of --prefill-tokens tokens (512: ~32 rows
   an expert at k 8 of 128). Each in every weight layout of --layouts the type has (ggml: as stored; x8: 8 rows
-  interleaved, kernels.host_layout), interleaved with the file layout in every repetition.
+  interleaved, QuantKernels.host_layout), interleaved with the file layout in every repetition.
 - matmul: GFLOP/s for n = 16, 64, 512 activation rows against ATen's f32 GEMM (and bf16 where the
   CPU has avx512_bf16) on the same shape as a float tensor.
 - --engine f16,q8_0,q4_k_m,mxfp4: instead of the tables above, the whole reference engine on
@@ -217,7 +217,7 @@ MOE = [("qwen3-30b-a3b", "Q4_K", "Q6_K", 2048, 768, 128, 8, "silu"),
 
 def moe_stacks(gg: "Ggml", qks: dict, gt: str, dt: str, D: int, ff: int, E: int, rng) -> dict:
     """layout -> (gate_up (E, 2 ff, D), down (E, D, ff)) of E distinct copies of one random expert (no expert
-    stays cached), in each layout --layouts asks for that the type has (kernels.host_layout)."""
+    stays cached), in each layout --layouts asks for that the type has (QuantKernels.host_layout)."""
     one_gu = gg.quantize(gt, rng.standard_normal((2 * ff, D)).astype(np.float32))
     one_dn = gg.quantize(dt, rng.standard_normal((D, ff)).astype(np.float32))
     gu = QTensor(one_gu.repeat(E), gt, (E, 2 * ff, D))
@@ -225,8 +225,8 @@ def moe_stacks(gg: "Ggml", qks: dict, gt: str, dt: str, D: int, ff: int, E: int,
     qk = next(iter(qks.values()))
     out = {"ggml": (gu, dn)}
     for lay in LAYOUTS_ASKED:
-        if lay != "ggml" and lay in (kernels.host_layout(gu), kernels.host_layout(dn)):
-            out[lay] = tuple(qk.repack(m, kernels.host_layout(m)) for m in (gu, dn))
+        if lay != "ggml" and lay in (qk.host_layout(gu), qk.host_layout(dn)):
+            out[lay] = tuple(qk.repack(m, qk.host_layout(m)) for m in (gu, dn))
     return out
 
 

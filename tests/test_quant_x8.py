@@ -35,7 +35,7 @@ def qk(request):
 def x8(qk, t: str, shape: tuple[int, ...], seed: int = 0) -> tuple[QTensor, QTensor, np.ndarray]:
     """(the file layout, x8, dequantized values) of a random matrix or stack quantized to t by ggml."""
     q, W = qtensor(t, shape, seed)
-    return q, qk.repack(q, kernels.host_layout(q)), W
+    return q, qk.repack(q, "x8"), W
 
 
 @pytest.mark.parametrize("t", LAYOUT_TYPES["x8"])
@@ -52,9 +52,11 @@ def test_repack_is_lossless(qk, t, k):
 
 def test_layout_rules(qk):
     q, _ = qtensor("Q4_K", (37, 512))                  # rows not whole groups of 8: stays as stored
-    assert kernels.host_layout(q) == "ggml"
-    assert kernels.host_layout(qtensor("Q6_K", (40, 512))[0]) == "x8"
-    assert kernels.host_layout(qtensor("Q5_K", (40, 512))[0]) == "ggml"
+    assert qk.host_layout(q) == "ggml"
+    assert qk.host_layout(qtensor("Q6_K", (40, 512))[0]) == "x8"
+    assert qk.host_layout(qtensor("Q5_K", (40, 512))[0]) == "ggml"
+    assert qk.host_layout(qtensor("F16", (40, 512))[0]) == ("x8" if qk.isa == "avx2" else "ggml")
+    assert qk.host_layout(qtensor("F16", (40, 100))[0]) == "ggml"      # rows not whole blocks of 8 values
     with pytest.raises(ValueError, match="whole groups of 8"):
         QTensor(q.raw, "Q4_K", (37, 512), "x8").validate()
     with pytest.raises(ValueError, match="layout 'x8' does not exist for Q5_K"):
@@ -88,7 +90,7 @@ def test_products_equal_file_layout(qk, t, k):
 
 @pytest.mark.parametrize("gt,dt", [("Q4_K", "Q6_K"), ("Q4_K", "Q4_K"), ("MXFP4", "MXFP4"),
                                    ("IQ4_XS", "IQ4_NL"),
-                                   ("Q8_0", "Q8_0")])
+                                   ("Q8_0", "Q8_0"), ("F16", "F16")])
 def test_experts_equal_file_layout(qk, gt, dt):
     """moe_decode and moe_prefill (rows kernel and GEMM path) on x8 stacks, fused gate_up and separate,
     against the same stacks as stored. The same int8 values, in another float order: mostly within 1e-6

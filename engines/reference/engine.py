@@ -19,7 +19,7 @@ Knobs in EngineSettings.extra (all optional):
   hugepages             CPU device: hold matrices >= 2 MiB as one copy of their bytes on memory advised for
                         transparent huge pages (weights.hugepage_copy; default true; false: the file mapping)
   repack                CPU device: hold Q4_K, Q6_K and MXFP4 matrices in the CPU kernels' interleaved layout
-                        (kernels.host_layout, made once at load in place of the file's bytes; default true; false:
+                        (QuantKernels.host_layout, made once at load in place of the file's bytes; default true; false:
                         as the file stores them)
   fused_decode          CPU device: one-token decode through the fused C++ block steps where the architecture
                         allows (kernels.FusedDecode; default true; false: the model's ATen ops)

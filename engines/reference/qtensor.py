@@ -28,7 +28,7 @@ COMPUTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_N
 # interleaved layouts (a permutation of the file's bytes: the same size): name -> (rows per group, the
 # kernels' type-code offset); the types each one exists for
 LAYOUTS = {"x8": (8, 1000)}
-LAYOUT_TYPES = {"x8": ("Q4_K", "Q6_K", "MXFP4", "Q8_0", "IQ4_NL", "IQ4_XS")}
+LAYOUT_TYPES = {"x8": ("Q4_K", "Q6_K", "MXFP4", "Q8_0", "IQ4_NL", "IQ4_XS", "F16")}
 
 
 @dataclass(frozen=True)

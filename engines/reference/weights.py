@@ -4,7 +4,7 @@ Every matrix stays as the file stores it (a QTensor: its bytes and ggml type), i
 file mapping itself (zero-copy), one copy of the same bytes on 2 MiB pages (CPU), or one copy on the GPU /
 in page-locked host memory (CUDA). A copy releases the mapping's pages, so no tensor is ever held twice.
 Matrices the CPU kernels compute (every matrix of a CPU-device run) may instead be held in an interleaved
-layout made once here (kernels.host_layout: the types of LAYOUT_TYPES as "x8", the same bytes
+layout made once here (QuantKernels.host_layout: the types of LAYOUT_TYPES as "x8", the same bytes
 reordered), again in place of the file's bytes, never beside them.
 Vectors (norms, biases, sinks, scales: at most a few KiB a layer) are held as f32 tensors.
 """
@@ -18,7 +18,6 @@ import torch
 
 from engines.errors import UserError
 from engines.gguf_meta import ModelMeta, TensorEntry, tensor_bytes
-from engines.reference.kernels import host_layout
 from engines.reference.qtensor import COMPUTED, TYPES, QTensor
 
 VECTOR_TYPES = ("F32", "F16", "BF16")      # the types vectors may be stored in (llama.cpp writes F32)
@@ -133,7 +132,7 @@ class Holder:
     """Takes each tensor of the file to its home and books its bytes (see the module docstring)."""
 
     def __init__(self, src: GGUFFile, device: torch.device, hugepages: bool, kernels=None):
-        """kernels: the CPU kernels (kernels.QuantKernels) whose layout (host_layout) a CPU device's
+        """kernels: the CPU kernels (kernels.QuantKernels) whose layout (its host_layout) a CPU device's
         matrices are repacked into, or None to keep every matrix as the file stores it."""
         self.src, self.device, self.cuda = src, device, device.type == "cuda"
         self.hugepages = hugepages and not self.cuda
@@ -161,7 +160,7 @@ class Holder:
     def matrix(self, name: str, group: str, where: str) -> QTensor:
         """A matrix as stored, at `where` ("host" | "accelerator")."""
         qt = self.src.qtensor(name)
-        if self.kernels is not None and (layout := host_layout(qt)) != "ggml":
+        if self.kernels is not None and (layout := self.kernels.host_layout(qt)) != "ggml":
             new = self.kernels.repack(qt, layout, hugepage_empty(qt.nbytes) if self.hugepages else None)
             self.src.release(name)
             self.ledger.add(group, where, qt.nbytes, new.nbytes)

@@ -5,8 +5,8 @@ quant.cpp (products, pybind), quant_types.h (per ggml type a bit-exact dequant_r
 1..NX activation rows), quant_act.h (x converted to the weight type's ggml vec_dot_type: f32, f16,
 bf16, Q8_0, Q8_1 or Q8_K, with ggml's own rounding), quant_simd.h (SIMD helpers), decode.h (attention
 and routing of one token, one call each), quant_x8.h / quant_x8_q6.h / quant_x8_mx.h / quant_x8_signed.h (Q4_K,
-Q6_K, MXFP4, Q8_0, IQ4_NL and IQ4_XS with 8 rows interleaved: QTensor layout "x8", made at load by
-weights.Holder through repack, host_layout says where).
+Q6_K, MXFP4, Q8_0, IQ4_NL, IQ4_XS and F16 with 8 rows interleaved: QTensor layout "x8", made at load by
+weights.Holder through repack, QuantKernels.host_layout says where).
 Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K, IQ4_XS. A product
 multiplies exactly the int8 values and scales ggml's x86 dots multiply (only the order of the float
 additions differs), so the engine's logits follow llama.cpp's to ~1e-5 on quantized files.
@@ -58,14 +58,9 @@ ROWS_MAX_N = {"avx2": {"F32": 32, "F16": 32, "BF16": 32, "quant": 1 << 62},
 ROWS_MAX_N_F32_GEMM = {"F32": 32, "F16": 32, "BF16": 32, "quant": 1 << 62}
 
 
-def host_layout(qt: QTensor) -> str:
-    """The layout the CPU kernels want a stored matrix (or expert stack) in, to be made once at load:
-    "x8" for the types of LAYOUT_TYPES["x8"] in whole groups of 8 rows (quant_x8*.h: 8 or 16 rows per int8 dot
-    instruction), else "ggml" (as stored)."""
-    for name, types in LAYOUT_TYPES.items():
-        if qt.type in types and qt.n_rows % LAYOUTS[name][0] == 0:
-            return name
-    return "ggml"
+# Types whose x8 layout only the avx2 variant wants: on avx512 oneDNN's bf16 GEMM takes F16 past 3 rows (ROWS_MAX_N)
+# from dequantized tiles, which the file layout gives fastest.
+X8_AVX2_ONLY = ("F16",)
 
 
 def missing_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:
@@ -149,6 +144,16 @@ class QuantKernels:
 
     def __init__(self, ext, isa: str):
         self.ext, self.isa = ext, isa
+
+    def host_layout(self, qt: QTensor) -> str:
+        """The layout these kernels want a stored matrix (or expert stack) in, to be made once at load: "x8" for
+        the types of LAYOUT_TYPES["x8"] in whole groups of 8 rows and 8 values (quant_x8*.h: 8 or 16 rows per dot
+        instruction; X8_AVX2_ONLY on avx2 alone), else "ggml" (as stored)."""
+        for name, types in LAYOUT_TYPES.items():
+            if qt.type in types and qt.n_rows % LAYOUTS[name][0] == 0 and qt.k % 8 == 0 and \
+                    (self.isa == "avx2" or qt.type not in X8_AVX2_ONLY):
+                return name
+        return "ggml"
 
     def matvec(self, qt: QTensor, x: torch.Tensor) -> torch.Tensor:
         """W x for one activation row: x (K,) or (1, K) f32 -> (N,) or (1, N) f32."""

@@ -71,6 +71,7 @@ enum : int64_t { GGML_F32 = 0, GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_
                  // interleaved layouts: LAYOUT_X8 + the ggml type (engines/reference/qtensor.py LAYOUTS)
                  LAYOUT_X8 = 1000, GGML_Q4_K_X8 = LAYOUT_X8 + GGML_Q4_K, GGML_Q6_K_X8 = LAYOUT_X8 + GGML_Q6_K,
                  GGML_MXFP4_X8 = LAYOUT_X8 + GGML_MXFP4, GGML_Q8_0_X8 = LAYOUT_X8 + GGML_Q8_0,
+                 GGML_F16_X8 = LAYOUT_X8 + GGML_F16,
                  GGML_IQ4_NL_X8 = LAYOUT_X8 + GGML_IQ4_NL, GGML_IQ4_XS_X8 = LAYOUT_X8 + GGML_IQ4_XS };
 
 const Kernel& kernel_of(int64_t type) {
@@ -82,6 +83,7 @@ const Kernel& kernel_of(int64_t type) {
       q6_k_x8 = group_kernel<Q6_K_X8>(std::make_index_sequence<GNX>()),
       mxfp4_x8 = group_kernel<MXFP4_X8>(std::make_index_sequence<GNX>()),
       q8_0_x8 = group_kernel<Q8_0_X8>(std::make_index_sequence<GNX>()),
+      f16_x8 = group_kernel<F16_X8>(std::make_index_sequence<GNX>()),
       iq4_nl_x8 = group_kernel<IQ4_NL_X8>(std::make_index_sequence<GNX>()),
       iq4_xs_x8 = group_kernel<IQ4_XS_X8>(std::make_index_sequence<GNX>());
   switch (type) {
@@ -91,7 +93,7 @@ const Kernel& kernel_of(int64_t type) {
     case GGML_MXFP4: return mxfp4;   case GGML_Q4_K: return q4_k;     case GGML_Q5_K: return q5_k;
     case GGML_Q6_K: return q6_k;     case GGML_IQ4_XS: return iq4_xs; case GGML_Q4_K_X8: return q4_k_x8;
     case GGML_Q6_K_X8: return q6_k_x8;
-    case GGML_Q8_0_X8: return q8_0_x8;   case GGML_MXFP4_X8: return mxfp4_x8; case GGML_IQ4_NL_X8: return iq4_nl_x8; case GGML_IQ4_XS_X8: return iq4_xs_x8;
+    case GGML_Q8_0_X8: return q8_0_x8;     case GGML_F16_X8: return f16_x8;   case GGML_MXFP4_X8: return mxfp4_x8; case GGML_IQ4_NL_X8: return iq4_nl_x8; case GGML_IQ4_XS_X8: return iq4_xs_x8;
   }
   TORCH_CHECK_VALUE(false, "unsupported ggml type ", type);
 }

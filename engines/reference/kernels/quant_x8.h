@@ -77,6 +77,7 @@ struct V8 {
   static F fset1(float v) { return _mm256_set1_ps(v); }
   static F fma(F a, I b, F c) { return _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(b), c); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fadd(F a, F b) { return _mm256_add_ps(a, b); }
   static F fmaf(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F e8m0(const uint8_t* p, int64_t) { return e8m0_half8(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
@@ -114,6 +115,7 @@ struct V16 {
   static F fset1(float v) { return _mm512_set1_ps(v); }
   static F fma(F a, I b, F c) { return _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(b), c); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fadd(F a, F b) { return _mm512_add_ps(a, b); }
   static F fmaf(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F e8m0(const uint8_t* p, int64_t gs) {
     return _mm512_insertf32x8(_mm512_castps256_ps512(V8::e8m0(p, 0)), V8::e8m0(p + gs, 0), 1);

@@ -124,4 +124,37 @@ struct IQ4_XS_X8 : X8Layout<IQ4_XS_X8, IQ4_XS> {
   }
 };
 
+// F16 (avx2 only: kernels.host_layout): per 8 values of the 8 rows, [8 values k][8 rows] f16 (128 = 8 x 16 bytes).
+// One load converts value k of 8 rows (16 with V16) and each x row's x_k broadcast multiplies it: no per-row
+// horizontal sum and no dequantized copy for the many-row products, where the file layout's rows lose to
+// dequantized tiles and the f32 GEMM. Every product is exact in f32 (x rounded to f16, X_F16); the sums run in A
+// chains per row (k mod A), then added.
+struct F16_X8 : X8Layout<F16_X8, F16> {
+  static constexpr int G = 8, QK = 8, SRC = 16, GBYTES = G * SRC, BYTES = SRC;
+  static constexpr XFmt FMT = X_F16;
+
+  template <class F> static void pieces(int r, const F& f) {
+    for (int k = 0; k < 8; ++k) f(2 * k, 16 * k + 2 * r, 2);
+  }
+  static void dequant_lane(const uint8_t* g, int lane, int64_t K, float* y) {     // one f16 every 16 bytes
+    for (int64_t i = 0; i < K; ++i) y[i] = fp16(g + 16 * i + 2 * lane);
+  }
+
+  template <class V, int NX> static void dot_v(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
+    constexpr int A = NX == 1 ? 4 : 2;      // chains per x row: enough to cover the FMA latency
+    const int64_t gs = K * SRC;
+    typename V::F acc[NX][A];
+    FOR_X for (int a = 0; a < A; ++a) acc[r][a] = V::fzero();
+    for (int64_t i = 0; i < K; i += A)      // K % 8 == 0
+      _Pragma("GCC unroll 4") for (int a = 0; a < A; ++a) {
+        const typename V::F w = V::half(g + SRC * (i + a), gs);
+        FOR_X acc[r][a] = V::fmaf(w, V::fset1(x[r].f[i + a]), acc[r][a]);
+      }
+    FOR_X {
+      for (int a = 1; a < A; ++a) acc[r][0] = V::fadd(acc[r][0], acc[r][a]);
+      V::store(out + r * ldo, acc[r][0]);
+    }
+  }
+};
+
 }  // namespace qk
