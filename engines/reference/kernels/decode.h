@@ -218,20 +218,31 @@ at::Tensor moe_prefill(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_e
   const XRow* xu = xa.rows(fmt(up, rows_max_gu));
   std::vector<XRow> gx(S), ux(S);                       // each grouped row's token, as pointers: no copy of x
   for (int64_t p = 0; p < S; ++p) gx[p] = xg[slot_at[p] / K], ux[p] = xu[slot_at[p] / K];
-  std::vector<float> h(S * 2 * ff);                     // per grouped row: gate products, then up products
-  grouped_product(gate, start, cnt, gx.data(), h.data(), 2 * ff, rows_max_gu, st);
-  grouped_product(up, start, cnt, ux.data(), h.data() + ff, 2 * ff, rows_max_gu, st);
 
-  std::vector<float> a(S * ff);                         // activations: the down products' x rows
+  // gate and up products, then the activations (the down products' x rows), a run of whole experts at a time:
+  // h (a run's rows: gate products, then up products) stays near H_BYTES instead of S x 2 ff floats
+  constexpr int64_t H_BYTES = 2 << 20;
+  std::vector<float> a(S * ff), h;
   const Act& fn = sk.act;
-  at::parallel_for(0, S, std::max<int64_t>(1, grain(ff * 8)), [&](int64_t b, int64_t e) {
-    for (int64_t p = b; p < e; ++p) {
-      const int64_t ex = id[slot_at[p]];
-      fn.row(h.data() + p * 2 * ff, h.data() + p * 2 * ff + ff, gb ? gb + ex * ff : nullptr, ub ? ub + ex * ff : nullptr,
-             a.data() + p * ff, ff);
-    }
-  });
-  std::vector<float>().swap(h);                         // freed before ys: the peak is the larger of the two
+  for (int64_t e0 = 0, e1; e0 < n_expert; e0 = e1) {
+    int64_t rows = cnt[e0];
+    for (e1 = e0 + 1; e1 < n_expert && (rows + cnt[e1]) * 2 * ff * 4 <= H_BYTES; ++e1) rows += cnt[e1];
+    if (!rows) continue;
+    const int64_t p0 = start[e0];
+    std::vector<int64_t> c(n_expert, 0), s(n_expert, 0);   // the run's experts, their rows from p0
+    for (int64_t e = e0; e < e1; ++e) c[e] = cnt[e], s[e] = start[e] - p0;
+    h.resize(rows * 2 * ff);
+    grouped_product(gate, s, c, gx.data() + p0, h.data(), 2 * ff, rows_max_gu, st);
+    grouped_product(up, s, c, ux.data() + p0, h.data() + ff, 2 * ff, rows_max_gu, st);
+    at::parallel_for(0, rows, std::max<int64_t>(1, grain(ff * 8)), [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t ex = id[slot_at[p0 + i]];
+        fn.row(h.data() + i * 2 * ff, h.data() + i * 2 * ff + ff, gb ? gb + ex * ff : nullptr,
+               ub ? ub + ex * ff : nullptr, a.data() + (p0 + i) * ff, ff);
+      }
+    });
+  }
+  std::vector<float>().swap(h);
   Acts aa(a.data(), S, ff);
   std::vector<float> ys(S * D);
   grouped_product(down, start, cnt, aa.rows(fmt(down, rows_max_down)), ys.data(), D, rows_max_down, st);
