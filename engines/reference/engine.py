@@ -18,7 +18,7 @@ Knobs in EngineSettings.extra (all optional):
   logits_all            true: prefill keeps the logits of every position (tests), else only the last
   hugepages             CPU device: hold matrices >= 2 MiB as one copy of their bytes on memory advised for
                         transparent huge pages (weights.hugepage_copy; default true; false: the file mapping)
-  repack                CPU device: hold Q4_K, Q6_K and MXFP4 matrices in the CPU kernels' interleaved layout
+  repack                CPU device: hold the matrices of qtensor.LAYOUT_TYPES in the CPU kernels' interleaved layout
                         (QuantKernels.host_layout, made once at load in place of the file's bytes; default true; false:
                         as the file stores them)
   fused_decode          CPU device: one-token decode through the fused C++ block steps where the architecture
