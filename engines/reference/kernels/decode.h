@@ -133,9 +133,9 @@ Stacks stacks(int64_t n_expert, int64_t ff, int64_t D, const SArg& g, const SArg
 }
 
 // One token's routed experts: y (x's shape, D values) = [residual +] sum_j w_j (down_e (act(gate_e x + gb_e,
-// up_e x + ub_e)) + db_e), e = ids[j]. gate, up: (E, ff, D) stacks (raw, off, stride, type), expert e at off + e * stride (a fused
-// (E, 2 ff, D) gate_up is two views: up at off + ff * row_bytes, both with stride 2 ff row_bytes); down
-// (E, D, ff). act: 0 SiLU, 1 GELU (ggml's f16 table), 2 gpt-oss SwiGLU.
+// up_e x + ub_e)) + db_e), e = ids[j]. gate, up: (E, ff, D) stacks (raw, off, stride, type), expert e at
+// off + e * stride (a fused (E, 2 ff, D) gate_up is two views: up at off + ff * row_bytes, both with stride
+// 2 ff row_bytes); down (E, D, ff). act: 0 SiLU, 1 GELU (ggml's f16 table), 2 gpt-oss SwiGLU.
 at::Tensor moe_decode(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_expert, int64_t ff, SArg gate, SArg up,
                       SArg down, int64_t act, double alpha, double limit, std::optional<at::Tensor> gate_bias,
                       std::optional<at::Tensor> up_bias, std::optional<at::Tensor> down_bias,

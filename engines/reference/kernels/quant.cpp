@@ -92,8 +92,8 @@ const Kernel& kernel_of(int64_t type) {
     case GGML_Q5_0: return q5_0;     case GGML_Q5_1: return q5_1;     case GGML_IQ4_NL: return iq4_nl;
     case GGML_MXFP4: return mxfp4;   case GGML_Q4_K: return q4_k;     case GGML_Q5_K: return q5_k;
     case GGML_Q6_K: return q6_k;     case GGML_IQ4_XS: return iq4_xs; case GGML_Q4_K_X8: return q4_k_x8;
-    case GGML_Q6_K_X8: return q6_k_x8;
-    case GGML_Q8_0_X8: return q8_0_x8;     case GGML_F16_X8: return f16_x8;   case GGML_MXFP4_X8: return mxfp4_x8; case GGML_IQ4_NL_X8: return iq4_nl_x8; case GGML_IQ4_XS_X8: return iq4_xs_x8;
+    case GGML_Q6_K_X8: return q6_k_x8;          case GGML_MXFP4_X8: return mxfp4_x8;     case GGML_Q8_0_X8: return q8_0_x8;
+    case GGML_IQ4_NL_X8: return iq4_nl_x8;      case GGML_IQ4_XS_X8: return iq4_xs_x8;   case GGML_F16_X8: return f16_x8;
   }
   TORCH_CHECK_VALUE(false, "unsupported ggml type ", type);
 }
@@ -258,8 +258,9 @@ at::Tensor embed(at::Tensor raw, int64_t off, int64_t type, int64_t n_rows, int6
   return out;
 }
 
-// n_rows rows of k values (whole groups) from layout `from` in src to layout `to` in out: a ggml type and
-// its interleaved layout (kernel_of codes: the types of qtensor.LAYOUT_TYPES <-> LAYOUT_X8 + them), a permutation of the bytes
+// n_rows rows of k values (whole groups) from layout `from` in src to layout `to` in out: a ggml type and its
+// interleaved layout (kernel_of codes: the types of qtensor.LAYOUT_TYPES <-> LAYOUT_X8 + them), a permutation of
+// the bytes
 void repack(at::Tensor src, int64_t from, int64_t to, int64_t n_rows, int64_t k, at::Tensor out) {
   const bool pack = to == from + LAYOUT_X8;
   TORCH_CHECK_VALUE((pack || from == to + LAYOUT_X8) && (pack ? to : from) >= LAYOUT_X8 && kernel_of(pack ? to : from).pack,

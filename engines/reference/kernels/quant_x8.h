@@ -10,8 +10,8 @@
 // The integers and scales multiplied are ggml's (vec_dot_q4_K_q8_K): per super-block and row an int32
 // sum_j sc_j dot(u_j, q_j) times d_x d_w, minus d_x dmin_w sum_j m_j bsum_j; only the float additions'
 // order differs. Repacking is a permutation of bytes: unpack gives the file's bytes back.
-// Also here, for every x8 layout (quant_x8_q6.h, quant_x8_mx.h, quant_x8_signed.h): the vector ops on 8 or 16 rows (V8, V16) and
-// X8Layout (pack, unpack and dequant_lane from a layout's map of where each piece of a row's block goes).
+// Also here, for every x8 layout (quant_x8_q6.h, quant_x8_mx.h, quant_x8_signed.h): the vector ops on 8 or 16 rows
+// (V8, V16) and X8Layout (pack, unpack and dequant_lane from a layout's map of where each piece of a row's block goes).
 #pragma once
 #include "quant_ktypes.h"
 
