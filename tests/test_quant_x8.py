@@ -75,7 +75,7 @@ def test_layout_rules(qk):
 @pytest.mark.parametrize("t", LAYOUT_TYPES["x8"])
 @pytest.mark.parametrize("k", [512, 2816])
 def test_products_equal_file_layout(qk, t, k):
-    q, p, W = x8(qk, t, (40, k))                       # 5 groups: two pairs and a lone group on avx512
+    q, p, W = x8(qk, t, (40, k))                       # 5 groups: two pairs and a lone group where there is dot2
     x = uneven(np.random.default_rng(11), 11, k)
     tol = 2e-6 * (np.abs(as_ggml_sees(qk, t, x)) @ np.abs(W.astype(np.float64)).T) + 1e-30
     xs = torch.from_numpy(x)

@@ -46,7 +46,7 @@ struct Kernel {
   int64_t group = 1;
   GroupDotFn gdot[GNX] = {};
   LaneFn lane = nullptr;
-  GroupDotFn gdot2[GNX] = {};       // two adjacent groups at once (avx512: one zmm of 16 rows), or null
+  GroupDotFn gdot2[GNX] = {};       // two adjacent groups at once (avx512: one zmm of 16 rows; F16 on avx2), or null
   PackFn pack = nullptr;
   UnpackFn unpack = nullptr;
 };
@@ -56,13 +56,10 @@ template <class T, size_t... N> Kernel kernel(std::index_sequence<N...>) {
 }
 template <class T> Kernel kernel() { return kernel<T>(std::make_index_sequence<NX_MAX>()); }
 template <class T, size_t... N> Kernel group_kernel(std::index_sequence<N...>) {
-#ifdef __AVX512F__
-  return {T::QK, T::BYTES, T::FMT, {}, nullptr, T::G, {&T::template dot<N + 1>...}, &T::dequant_lane,
-          {&T::template dot2<N + 1>...}, &T::pack, &T::unpack};
-#else
-  return {T::QK, T::BYTES, T::FMT, {}, nullptr, T::G, {&T::template dot<N + 1>...}, &T::dequant_lane, {}, &T::pack,
-          &T::unpack};
-#endif
+  Kernel k{T::QK, T::BYTES, T::FMT, {}, nullptr, T::G, {&T::template dot<N + 1>...}, &T::dequant_lane, {}, &T::pack,
+           &T::unpack};
+  if constexpr (T::DOT2) ((k.gdot2[N] = &T::template dot2<N + 1>), ...);
+  return k;
 }
 
 enum : int64_t { GGML_F32 = 0, GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,

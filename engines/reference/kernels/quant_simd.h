@@ -17,6 +17,17 @@ constexpr bool VNNI = false;
 
 #define FOR_X _Pragma("GCC unroll 8") for (int r = 0; r < NX; ++r)
 
+// GCC regroups an unrolled chain of integer vector adds (acc += a; acc += b; ...) into a tree that keeps every
+// term live at once, and with several accumulators spills them all to the stack (x8 Q4_K at 4 x rows: 72 stores
+// an inner loop). An empty asm on the accumulator after each step keeps the chain, and the registers, as written.
+template <class V> static inline void pin(V& v) {
+#ifdef __AVX512F__
+  __asm__("" : "+v"(v));
+#else
+  __asm__("" : "+x"(v));
+#endif
+}
+
 static inline uint16_t u16(const uint8_t* p) { uint16_t h; memcpy(&h, p, 2); return h; }
 static inline float fp16(const uint8_t* p) { return _cvtsh_ss(u16(p)); }
 // x rounded to the nearest f16 (ties to even), as ggml's GGML_CPU_FP32_TO_FP16 (F16C) stores it

@@ -126,7 +126,8 @@ struct V16 {
 
 // A layout given by where each piece of a row's block goes (T::pieces(r, f): f(offset in the file's block, offset
 // in the group's block, bytes) for row r): its pack, unpack and dequant_lane, and the group kernels' entry points
-// on T::dot_v, 8 rows (dot) or 16 (dot2, avx512). Src: the file's type (its dequant_row).
+// on T::dot_v, 8 rows (dot) or 16 (dot2, avx512; DOT2 says whether a layout has one). Src: the file's type (its
+// dequant_row).
 template <class T, class Src> struct X8Layout {
   static void pack(const uint8_t* src, int64_t rb, int64_t K, uint8_t* dst) {
     for (int64_t b = 0; b < K / T::QK; ++b, dst += T::GBYTES)
@@ -150,9 +151,12 @@ template <class T, class Src> struct X8Layout {
     T::template dot_v<V8, NX>(g, K, x, out, ldo);
   }
 #ifdef __AVX512F__
+  static constexpr bool DOT2 = true;
   template <int NX> static void dot2(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
     T::template dot_v<V16, NX>(g, K, x, out, ldo);
   }
+#else
+  static constexpr bool DOT2 = false;
 #endif
 };
 
@@ -220,6 +224,7 @@ struct Q4_K_X8 : X8Layout<Q4_K_X8, Q4_K> {     // its own dot and dot2 (one per 
             lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(wl, _mm256_set1_epi32(a)));
             hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(wh, _mm256_set1_epi32(h)));
           }
+          FOR_X { pin(lo[r]); pin(hi[r]); }
         }
         const __m256i s0 = _mm256_shuffle_epi8(sc, mask(X8_B16[j0])), s1 = _mm256_shuffle_epi8(sc, mask(X8_B16[j0 + 1]));
         FOR_X sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(_mm256_madd_epi16(lo[r], s0), _mm256_madd_epi16(hi[r], s1)));

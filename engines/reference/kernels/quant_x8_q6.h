@@ -47,16 +47,25 @@ struct Q6_K_X8 : X8Layout<Q6_K_X8, Q6_K> {
     typename V::F acc[NX];
     FOR_X acc[r] = V::fzero();
     const I m4 = V::set1(0x0f0f0f0f), m3 = V::set1(0x30303030);
+    // the 6-bit codes of stream s in the step at st: nibbles of ql (low for s < 2), bits 2s..2s+1 of qh as bits 4-5
+    const auto code = [&](const uint8_t* st, int s) {
+      const I lq = V::load(st + 32 * (s % 2), gs), hb = V::load(st + 64, gs);
+      const I hi = s == 0 ? V::sll16(hb, 4) : s == 1 ? V::sll16(hb, 2) : s == 2 ? hb : V::srl16(hb, 2);
+      return V::or_(V::and_(s < 2 ? lq : V::srl16(lq, 4), m4), V::and_(hi, m3));
+    };
     for (int64_t b = 0; b < K / QK; ++b, g += GBYTES) {
       const int8_t* q[NX];
       I sumi[NX];
       FOR_X { q[r] = x[r].q + QK * b; sumi[r] = V::zero(); }
+      const auto xq = [&](int r, int h, int s, int l) {      // x's 4 values of row r facing a step's stream s
+        int32_t v;
+        memcpy(&v, q[r] + 128 * h + 32 * s + 4 * l, 4);
+        return v;
+      };
       I scw[4];
       for (int i = 0; i < 4; ++i) scw[i] = V::load(g + SC + 32 * i, gs);
       for (int h = 0; h < 2; ++h)
         for (int half = 0; half < 2; ++half) {          // steps 4 half .. 4 half + 3: one 16-value sub-block a stream
-          I a[NX][4];           // a stream's dot: int32 over 4 steps (vpdpbusd), else int16 pair sums over 2
-          FOR_X for (int s = 0; s < 4; ++s) a[r][s] = V::zero();
           // sub-block of stream s: 8h + 2s + half (scale word (8h + 2s + half) / 4, byte (2s + half) % 4)
           I sc[4];
           for (int s = 0; s < 4; ++s) {
@@ -64,28 +73,28 @@ struct Q6_K_X8 : X8Layout<Q6_K_X8, Q6_K> {
             sc[s] = V::DPBUSD ? V::sra32(V::shuffle(w, V::mask(X8_TOP32[(2 * s + half) % 4])), 24)
                               : V::sra16(V::shuffle(w, V::mask(X8_HI16[(2 * s + half) % 4])), 8);
           }
-          _Pragma("GCC unroll 4") for (int l = 4 * half; l < 4 * half + 4; ++l) {
-            const uint8_t* st = g + ST + STEP * (8 * h + l);
-            const I l0 = V::load(st, gs), l1 = V::load(st + 32, gs), hb = V::load(st + 64, gs);
-            const I u[4] = {V::or_(V::and_(l0, m4), V::and_(V::sll16(hb, 4), m3)),
-                            V::or_(V::and_(l1, m4), V::and_(V::sll16(hb, 2), m3)),
-                            V::or_(V::and_(V::srl16(l0, 4), m4), V::and_(hb, m3)),
-                            V::or_(V::and_(V::srl16(l1, 4), m4), V::and_(V::srl16(hb, 2), m3))};
-            FOR_X for (int s = 0; s < 4; ++s) {
-              int32_t xv;
-              memcpy(&xv, q[r] + 128 * h + 32 * s + 4 * l, 4);
-              if constexpr (V::DPBUSD) {
-                a[r][s] = V::dpbusd(a[r][s], u[s], V::set1(xv));
-              } else {          // two steps' vpmaddubsw pair sums added as int16 (|2 x 2 x 63 x 128| = 32256 fits)
-                a[r][s] = V::add16(a[r][s], V::maddubs(u[s], V::set1(xv)));
-                if (l % 2) {
-                  sumi[r] = V::add(sumi[r], V::madd(a[r][s], sc[s]));
-                  a[r][s] = V::zero();
-                }
+          if constexpr (V::DPBUSD) {        // a stream's int32 dot over the 4 steps, then times its scale
+            I a[NX][4];
+            FOR_X for (int s = 0; s < 4; ++s) a[r][s] = V::zero();
+            _Pragma("GCC unroll 4") for (int l = 4 * half; l < 4 * half + 4; ++l) {
+              const uint8_t* st = g + ST + STEP * (8 * h + l);
+              const I u[4] = {code(st, 0), code(st, 1), code(st, 2), code(st, 3)};
+              FOR_X for (int s = 0; s < 4; ++s) a[r][s] = V::dpbusd(a[r][s], u[s], V::set1(xq(r, h, s, l)));
+            }
+            FOR_X for (int s = 0; s < 4; ++s) sumi[r] = V::add(sumi[r], V::mullo(a[r][s], sc[s]));
+          } else {
+            // stream by stream, so that only the NX sums stay live: a pair of steps' vpmaddubsw pair sums added
+            // as int16 (|2 x 2 x 63 x 128| = 32256 fits), then vpmaddwd with the sub-block's scale
+            for (int l = 4 * half; l < 4 * half + 4; l += 2) {
+              const uint8_t* st = g + ST + STEP * (8 * h + l);
+              for (int s = 0; s < 4; ++s) {
+                const I u0 = code(st, s), u1 = code(st + STEP, s);
+                FOR_X sumi[r] = V::add(sumi[r], V::madd(V::add16(V::maddubs(u0, V::set1(xq(r, h, s, l))),
+                                                                 V::maddubs(u1, V::set1(xq(r, h, s, l + 1)))), sc[s]));
+                FOR_X pin(sumi[r]);
               }
             }
           }
-          if constexpr (V::DPBUSD) FOR_X for (int s = 0; s < 4; ++s) sumi[r] = V::add(sumi[r], V::mullo(a[r][s], sc[s]));
         }
       // -32 sum_g sc_g bsum_g: pairs of scales (int16) against pairs of x's 16-value sums
       I sp[8];

@@ -31,6 +31,7 @@ static inline void iq4_block(const uint8_t* qs, int64_t gs, const int8_t* const*
       const I pl = V::maddubs(ul, V::sign8(V::set1(a), sl)), ph = V::maddubs(uh, V::sign8(V::set1(h), sh));
       sum[r] = V::add(sum[r], V::add(V::madd(pl, sc), V::madd(ph, sc)));
     }
+    FOR_X pin(sum[r]);
   }
 }
 
@@ -71,6 +72,7 @@ struct Q8_0_X8 : X8Layout<Q8_0_X8, Q8_0> {
           memcpy(&a, x[r].q + QK * b + 4 * l, 4);
           sum[r] = V::add(sum[r], V::madd(V::maddubs(u, V::sign8(V::set1(a), w)), ones));
         }
+        FOR_X pin(sum[r]);
       }
     });
   }
@@ -155,6 +157,31 @@ struct F16_X8 : X8Layout<F16_X8, F16> {
       V::store(out + r * ldo, acc[r][0]);
     }
   }
+#ifndef __AVX512F__
+  // Two adjacent groups a call (out lanes 0-15): each x broadcast feeds two FMAs, and 2 NX chains cover the FMA
+  // latency. On an AVX2 EPYC, L1-resident, a core: 76 GFLOP/s with one group and 4 x rows, 93 with two (FMA peak 102).
+  static constexpr bool DOT2 = true;
+  template <int NX> static void dot2(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
+    constexpr int A = NX == 1 ? 2 : 1;      // chains per x row and group
+    const int64_t gs = K * SRC;
+    __m256 acc[NX][2][A];
+    FOR_X for (int j = 0; j < 2; ++j) for (int a = 0; a < A; ++a) acc[r][j][a] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < K; i += A)
+      for (int a = 0; a < A; ++a) {
+        const uint8_t* p = g + SRC * (i + a);
+        const __m256 w0 = V8::half(p, 0), w1 = V8::half(p + gs, 0);
+        FOR_X {
+          const __m256 xv = _mm256_set1_ps(x[r].f[i + a]);
+          acc[r][0][a] = _mm256_fmadd_ps(w0, xv, acc[r][0][a]);
+          acc[r][1][a] = _mm256_fmadd_ps(w1, xv, acc[r][1][a]);
+        }
+      }
+    FOR_X for (int j = 0; j < 2; ++j) {
+      if constexpr (A == 2) acc[r][j][0] = _mm256_add_ps(acc[r][j][0], acc[r][j][1]);
+      _mm256_storeu_ps(out + r * ldo + 8 * j, acc[r][j][0]);
+    }
+  }
+#endif
 };
 
 }  // namespace qk
