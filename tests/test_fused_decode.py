@@ -105,3 +105,14 @@ def test_fused_features_gate():
         pytest.skip(qk)
     assert isinstance(qk.fused(frozenset({"rope_neox", "qk_norm_head", "norm_topk"})), kernels.FusedDecode)
     assert qk.fused(frozenset({"rope_neox", "attn_sinks"})) is None
+
+
+@pytest.mark.parametrize("n_head,n_head_kv,head_dim", [(6, 2, 36), (10, 2, 64)])
+def test_fused_attention_blocks_of_query_heads(tmp_path, n_head, n_head_kv, head_dim):
+    """The fused attention takes a kv head's query heads in blocks of up to 4: 3 heads a kv head with a head size
+    that is no whole number of vectors (36), and 5 heads (a block of 4 and one of 1), against the unfused path."""
+    p = preset(TINY, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, dtype="f32")
+    path = synthesize(p, tmp_path / "heads.gguf")
+    fused, _ = decode_logits(path, True, cache="f32")
+    plain, _ = decode_logits(path, False, cache="f32")
+    assert np.abs(fused - plain).max() < 1e-5

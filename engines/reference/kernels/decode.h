@@ -335,25 +335,65 @@ float dot_f32(const float* a, const float* b, int64_t n) {
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
-float dot_f32(const float* a, const uint16_t* b, int64_t n) {
-  vf acc = vzero();
-  int64_t i = 0;
-  for (; i + VL <= n; i += VL) acc = vfma(vload(a + i), load_f16((const uint8_t*)(b + i)), acc);
-  float s = vsum(acc);
-  for (; i < n; ++i) s += a[i] * _cvtsh_ss(b[i]);
-  return s;
-}
 
 // y += p v over n values, v f32 or f16
-void axpy(float p, const float* v, float* y, int64_t n) {
+// A KV cache's values (f32, or f16 bits) as f32: VL at a time, or one
+vf load_kv(const float* p) { return vload(p); }
+vf load_kv(const uint16_t* p) { return load_f16((const uint8_t*)p); }
+float kv1(const float* p) { return *p; }
+float kv1(const uint16_t* p) { return _cvtsh_ss(*p); }
+
+// NB query heads (q: NB rows of hd) that read one kv head (K, V: T rows of hd) -> o (NB rows of hd) =
+// softmax(q K^T scale) V; p: NB x T scratch. Each K and V row is loaded and converted once for the NB heads,
+// whose independent FMA chains hide each other's latency; the exponentials are ggml's vectorized v_expf.
+template <int NB, class KV>
+void attend_heads(const float* q, const KV* K, const KV* V, int64_t T, int64_t hd, float scale, float* p, float* o) {
+  for (int64_t t = 0; t < T; ++t, K += hd) {
+    vf acc[NB];
+    for (int j = 0; j < NB; ++j) acc[j] = vzero();
+    int64_t i = 0;
+    for (; i + VL <= hd; i += VL) {
+      const vf k = load_kv(K + i);
+      for (int j = 0; j < NB; ++j) acc[j] = vfma(vload(q + j * hd + i), k, acc[j]);
+    }
+    for (int j = 0; j < NB; ++j) {
+      float s = vsum(acc[j]);
+      for (int64_t r = i; r < hd; ++r) s += q[j * hd + r] * kv1(K + r);
+      p[j * T + t] = s * scale;
+    }
+  }
+  for (int j = 0; j < NB; ++j) {            // p_j = softmax(p_j)
+    float* pj = p + j * T;
+    const float mx = *std::max_element(pj, pj + T);
+    vf vs = vzero();
+    int64_t t = 0;
+    for (; t + VL <= T; t += VL) {
+      const vf e = v_expf(vsub(vload(pj + t), vset1(mx)));
+      vstore(pj + t, e);
+      vs = vadd(vs, e);
+    }
+    float sum = vsum(vs);
+    for (; t < T; ++t) sum += pj[t] = std::exp(pj[t] - mx);
+    const float inv = 1.f / sum;
+    for (t = 0; t < T; ++t) pj[t] *= inv;
+  }
+  // o_j = sum_t p_j[t] V_t, VL columns at a time: the NB sums stay in registers over all T rows
   int64_t i = 0;
-  for (; i + VL <= n; i += VL) vstore(y + i, vfma(vset1(p), vload(v + i), vload(y + i)));
-  for (; i < n; ++i) y[i] += p * v[i];
-}
-void axpy(float p, const uint16_t* v, float* y, int64_t n) {
-  int64_t i = 0;
-  for (; i + VL <= n; i += VL) vstore(y + i, vfma(vset1(p), load_f16((const uint8_t*)(v + i)), vload(y + i)));
-  for (; i < n; ++i) y[i] += p * _cvtsh_ss(v[i]);
+  for (; i + VL <= hd; i += VL) {
+    vf acc[NB];
+    for (int j = 0; j < NB; ++j) acc[j] = vzero();
+    for (int64_t t = 0; t < T; ++t) {
+      const vf v = load_kv(V + t * hd + i);
+      for (int j = 0; j < NB; ++j) acc[j] = vfma(vset1(p[j * T + t]), v, acc[j]);
+    }
+    for (int j = 0; j < NB; ++j) vstore(o + j * hd + i, acc[j]);
+  }
+  for (; i < hd; ++i)
+    for (int j = 0; j < NB; ++j) {
+      float s = 0.f;
+      for (int64_t t = 0; t < T; ++t) s += p[j * T + t] * kv1(V + t * hd + i);
+      o[j * hd + i] = s;
+    }
 }
 
 // n values of x into a KV cache row: f32 as they are, f16 rounded to nearest even (as a torch copy and ggml's
@@ -426,15 +466,20 @@ at::Tensor attn_decode(at::Tensor x, std::optional<at::Tensor> attn_norm, double
       store_kv(k + g * hd, K + (g * n_ctx + pos) * hd, hd);
       store_kv(v + g * hd, V + (g * n_ctx + pos) * hd, hd);
     }
-    at::parallel_for(0, H, grain(2 * T * hd * 4), [&](int64_t b, int64_t e) {
-      std::vector<float> p(T);
-      for (int64_t head = b; head < e; ++head) {
-        const float* qh = q + head * hd;
-        const auto *Kg = K + head / G * n_ctx * hd, *Vg = V + head / G * n_ctx * hd;
-        float mx = -INFINITY, sum = 0.f;
-        for (int64_t t = 0; t < T; ++t) mx = std::max(mx, p[t] = dot_f32(qh, Kg + t * hd, hd) * scale);
-        for (int64_t t = 0; t < T; ++t) sum += p[t] = std::exp(p[t] - mx);
-        for (int64_t t = 0; t < T; ++t) axpy(p[t] / sum, Vg + t * hd, o.data() + head * hd, hd);
+    // tasks: a kv head's query heads (head h reads kv head h / G) in blocks of up to HB
+    constexpr int64_t HB = 4;
+    const int64_t blocks = (G + HB - 1) / HB;
+    at::parallel_for(0, Hkv * blocks, grain(2 * T * hd * 4), [&](int64_t b, int64_t e) {
+      std::vector<float> p(HB * T);
+      for (int64_t task = b; task < e; ++task) {
+        const int64_t g = task / blocks, h0 = g * G + task % blocks * HB, nb = std::min(HB, (g + 1) * G - h0);
+        const auto *Kg = K + g * n_ctx * hd, *Vg = V + g * n_ctx * hd;
+        const float* qh = q + h0 * hd;
+        float* oh = o.data() + h0 * hd;
+        if (nb == 4) attend_heads<4>(qh, Kg, Vg, T, hd, scale, p.data(), oh);
+        else if (nb == 3) attend_heads<3>(qh, Kg, Vg, T, hd, scale, p.data(), oh);
+        else if (nb == 2) attend_heads<2>(qh, Kg, Vg, T, hd, scale, p.data(), oh);
+        else attend_heads<1>(qh, Kg, Vg, T, hd, scale, p.data(), oh);
       }
     });
   };

@@ -20,6 +20,8 @@ static inline vf vset1(float a) { return _mm512_set1_ps(a); }
 static inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
 static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
 static inline vf load_f16(const uint8_t* p) { return _mm512_cvtph_ps(ld(p)); }
 static inline vf load_bf16(const uint8_t* p) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(ld(p)), 16)); }
@@ -31,6 +33,8 @@ static inline vf vset1(float a) { return _mm256_set1_ps(a); }
 static inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 static inline float vsum(vf v) { return hsum(v); }
 static inline vf load_f16(const uint8_t* p) { return _mm256_cvtph_ps(ld16(p)); }
 static inline vf load_bf16(const uint8_t* p) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(ld16(p)), 16)); }
