@@ -121,6 +121,40 @@ def test_rss_floor_holds_the_engine_runtime(tiny, tmp_path):
     assert floor > bare + 0.9 * (with_torch - bare), (floor, bare, with_torch)
 
 
+TORCH_CODE = """
+import sys
+from pathlib import Path
+from engines.base import EngineSettings
+from engines.reference.engine import ReferenceEngine
+
+def torch_code_kib():             # resident pages of libtorch_cpu.so: the ATen ops' code paged in so far
+    kib, name = 0, ""
+    for line in open("/proc/self/smaps"):
+        if line[0] in "0123456789abcdef" and " " in line:
+            name = line.split()[-1]
+        elif line.startswith("Rss:") and name.endswith("libtorch_cpu.so"):
+            kib += int(line.split()[1])
+    return kib
+
+ReferenceEngine.runtime()
+floor = torch_code_kib()
+e = ReferenceEngine()
+e.load(Path(sys.argv[1]), EngineSettings(n_ctx=64, threads=2))
+e.prefill(list(range(1, 33)))
+e.decode(7)
+print((torch_code_kib() - floor) / 1024)
+"""
+
+
+def test_rss_floor_holds_the_torch_ops_a_forward_runs(tiny):
+    """The reference engine's runtime pages in the code of the ATen ops a forward runs (transformer.touch_ops):
+    a model's load, prefill and decode then add almost none of libtorch_cpu.so above the floor (without it: ~8
+    MiB on a CPU prefill, the same for every model)."""
+    r = subprocess.run([sys.executable, "-c", TORCH_CODE, str(tiny)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert float(r.stdout) < 2.0, r.stdout
+
+
 def test_rounds_keep_the_largest_rss_above_floor_with_its_floor():
     """Each round is a process with its own floor: the joined cell keeps the round that grew most above its own
     floor, and that round's floor, not the largest floor or the round with the largest peak."""

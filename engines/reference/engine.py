@@ -79,15 +79,16 @@ class ReferenceEngine(Engine):
 
     @classmethod
     def runtime(cls) -> None:
-        """torch, the modules load() imports, and the compiled CPU kernels (the extension .so and the OpenMP
-        runtime it links): what every model needs, so the RSS floor holds them (Engine.runtime). A kernel
-        failure is left to load(), which says why."""
-        import engines.reference.models.transformer  # noqa: F401
+        """torch, the modules load() imports, the compiled CPU kernels (the extension .so and the OpenMP
+        runtime it links) and the code of the ATen ops a forward runs (transformer.touch_ops): what every model
+        needs, so the RSS floor holds them (Engine.runtime). A kernel failure is left to load(), which says why."""
         import engines.reference.offload  # noqa: F401
         import engines.reference.weights  # noqa: F401
         from engines.reference import kernels
+        from engines.reference.models.transformer import touch_ops
 
         kernels.quant_kernels()
+        touch_ops()
 
     @classmethod
     def version(cls) -> str:

@@ -248,6 +248,20 @@ class Transformer:
         return self.head(x if all_logits else x[-1:])                          # (n|1, V)
 
 
+def touch_ops() -> None:
+    """Run the ATen ops of a CPU forward once on a few values: norms, a GEMM, softmax and top-k, both SDPA masks
+    with GQA, f16 KV copies. Their code (~8 MiB of libtorch_cpu.so, paged in on first use) and one-time state are
+    the runtime's, the same for every model, so ReferenceEngine.runtime runs this before the RSS floor."""
+    x = torch.randn(64, 64)
+    q, kv = torch.randn(1, 4, 64, 16), torch.randn(1, 2, 64, 16)
+    mask = torch.ones(64, 64, dtype=torch.bool).tril()
+    for _ in range(2):                                   # some kernels pick and cache a path on their first call
+        torch.softmax(F.rms_norm(x, (64,)) @ x.T, dim=-1).topk(4, dim=-1)
+        F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+        F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=True)
+        torch.cat([x, x.to(torch.float16).float()]).transpose(0, 1).contiguous().mul_(2).add_(x.T.repeat(1, 2))
+
+
 def prefill(model: Transformer, tokens: torch.Tensor, pos: int, n_ubatch: int, all_logits: bool) -> torch.Tensor:
     """Process tokens (n,) from pos in n_ubatch chunks; logits of every position or of the last."""
     outs = []
