@@ -17,7 +17,7 @@ runs AVX-512 code even where the reference is forced to avx2. --llama-pythonpath
 PYTHONPATH: a copy of the llama_cpp package whose libggml-base/libggml-cpu are an AVX2-only build (cmake ggml/
 -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DBUILD_SHARED_LIBS=ON from the
 same sources) makes both engines run what an AVX2 machine runs. The `llama ISA` column is read from llama.cpp's
-own system_info in cells.csv.
+own system_info in cells.csv, +amx where its AMX buffer type holds weights.
 """
 from __future__ import annotations
 
@@ -68,8 +68,9 @@ def rows(run_dir: Path, file: str) -> list[dict]:
         c = {e: cells[(cells["engine"] == e) & (cells["n_cpu_moe"] == depth)].iloc[0]
              for e in ("reference", "llama-cpp")}
         iv = interval("reference", "llama-cpp", depth, wl)
+        llama = str(c["llama-cpp"]["effective_settings"])      # its system_info, and its buffer types in use
         out.append({"isa": str(c["reference"]["effective_settings"]).split('"cpu_isa": "')[-1].split('"')[0],
-                    "llama ISA": "avx512" if "AVX512 = 1" in str(c["llama-cpp"]["effective_settings"]) else "avx2",
+                    "llama ISA": ("avx512" if "AVX512 = 1" in llama else "avx2") + ("+amx" if '"AMX"' in llama else ""),
                     "file": file, "n_cpu_moe": depth, "workload": wl,
                     "ref tok/s": ref["tps_median"], "llama tok/s": lcp["tps_median"],
                     "ratio": iv.ratio, "ratio (95% CI)": iv.text(),

@@ -77,14 +77,16 @@ def cpu_flags() -> frozenset[str]:
 
 
 # CPU kernel variants (engines.reference.kernels) -> the /proc/cpuinfo flags each needs, widest first
+AVX512 = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16")
 CPU_ISAS: dict[str, tuple[str, ...]] = {
-    "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"),
+    "amx": (*AVX512, "amx_tile", "amx_int8", "amx_bf16"),
+    "avx512": AVX512,
     "avx2": ("avx2", "fma", "f16c"),
 }
 
 
 def cpu_isa(flags: frozenset[str] | None = None) -> str:
-    """The CPU kernel variant for this process: MOEBENCH_ISA=avx2|avx512 as asked, or (auto, the default)
+    """The CPU kernel variant for this process: MOEBENCH_ISA=avx2|avx512|amx as asked, or (auto, the default)
     the widest one the CPU runs. Raises ValueError saying what is missing."""
     import os
 

@@ -431,6 +431,7 @@ def test_isa_choice(monkeypatch):
     full = avx2 | frozenset(devices.CPU_ISAS["avx512"])
     monkeypatch.delenv("MOEBENCH_ISA", raising=False)
     assert devices.cpu_isa(full) == "avx512" and devices.cpu_isa(avx2) == "avx2"
+    assert devices.cpu_isa(full | {"amx_tile", "amx_int8", "amx_bf16"}) == "amx"
     assert kernels.missing_flags("avx512", avx2)[0] == "avx512f" and not kernels.missing_flags("avx2", full)
     monkeypatch.setenv("MOEBENCH_ISA", "avx512")
     monkeypatch.setattr(devices, "cpu_flags", lambda: avx2)      # forced avx512 on an AVX2 CPU: a message, no load

@@ -1,12 +1,12 @@
 """The CPU kernels' interleaved layout of Q4_K, Q6_K, MXFP4, Q8_0, IQ4_NL and IQ4_XS (QTensor layout "x8",
 kernels/quant_x8.h, quant_x8_q6.h, quant_x8_mx.h, quant_x8_signed.h)
-on both ISA variants, against the file layout's kernels (which tests/test_quant_kernels.py holds to
-llama.cpp's own code).
+on every ISA variant this CPU runs (amx: Q4_K's tile products of 16 and more x rows, quant_amx.h), against the
+file layout's kernels (which tests/test_quant_kernels.py holds to llama.cpp's own code).
 
 - Repacking is lossless (x8 and back gives the file's bytes) and dequantizes bit for bit as the file layout.
 - Products multiply the same int8 values and integer scales as the file layout's (ggml's): only the float
   additions' order differs, so every result is within 2e-6 of sum |w x| of the file layout's (test_isas_agree's
-  bound), on the rows kernel (1..11 x rows: every x tile, pairs of groups and a lone group), matvec, the GEMM
+  bound), on the rows kernel (1..11, 16 and 37 x rows: every x tile, pairs of groups and a lone group), matvec, the GEMM
   path (dequantized tiles), moe_decode and moe_prefill (Q4_K gate/up with a Q6_K or Q4_K down, as in Q4_K_M;
   MXFP4 throughout, as gpt-oss; IQ4_XS gate/up with an IQ4_NL down, as gemma-4's IQ4_XS file).
 - The x8 products of avx2 and avx512 are bit-identical (exact int32 sums, the same float operations per row).
@@ -21,7 +21,7 @@ from engines.reference.qtensor import LAYOUT_TYPES, QTensor
 from tests.test_quant_kernels import as_ggml_sees, check, qtensor, uneven
 
 
-@pytest.fixture(scope="module", params=["avx2", "avx512"])
+@pytest.fixture(scope="module", params=["avx2", "avx512", "amx"])
 def qk(request):
     """The variant's kernels (as test_quant_kernels' fixture); skipped where this CPU or toolchain can't."""
     if missing := kernels.missing_flags(request.param):
@@ -76,10 +76,10 @@ def test_layout_rules(qk):
 @pytest.mark.parametrize("k", [512, 2816])
 def test_products_equal_file_layout(qk, t, k):
     q, p, W = x8(qk, t, (40, k))                       # 5 groups: two pairs and a lone group where there is dot2
-    x = uneven(np.random.default_rng(11), 11, k)
+    x = uneven(np.random.default_rng(11), 37, k)
     tol = 2e-6 * (np.abs(as_ggml_sees(qk, t, x)) @ np.abs(W.astype(np.float64)).T) + 1e-30
     xs = torch.from_numpy(x)
-    for n in range(1, 12):
+    for n in (*range(1, 12), 16, 37):                # 16 and more: the amx variant's tiles (quant_amx.h)
         check(qk.matmul(p, xs[:n], rows_max_n=n).numpy(), qk.matmul(q, xs[:n], rows_max_n=n).numpy(), tol[:n],
               f"rows n={n}")
     check(qk.matvec(p, xs[3]).numpy()[None], qk.matvec(q, xs[3]).numpy()[None], tol[3:4], "matvec")
@@ -96,7 +96,7 @@ def test_experts_equal_file_layout(qk, gt, dt):
     against the same stacks as stored. The same int8 values, in another float order: mostly within 1e-6
     of the largest output, but an activation may cross an int8 rounding boundary of the down product's x
     (measured 6e-4): test_moe_prefill_is_moe_decode_per_token's bound, 3e-3."""
-    E, D, ff, n, k = 6, 256, 512, 37, 3
+    E, D, ff, n, k = 6, 256, 512, 70, 3                # ~50 rows an expert: amx's tiles take Q4_K from 32
     g = np.random.default_rng(12)
     fused = x8(qk, gt, (E, 2 * ff, D), 2)
     gate, up = x8(qk, gt, (E, ff, D), 3), x8(qk, gt, (E, ff, D), 4)

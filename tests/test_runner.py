@@ -136,6 +136,9 @@ def torch_code_kib():             # resident pages of libtorch_cpu.so: the ATen 
             kib += int(line.split()[1])
     return kib
 
+if sys.argv[2] == "untouched":    # the same process without the ops' warm-up: what touch_ops saves
+    import engines.reference.models.transformer as transformer
+    transformer.touch_ops = lambda: None
 ReferenceEngine.runtime()
 floor = torch_code_kib()
 e = ReferenceEngine()
@@ -148,11 +151,17 @@ print((torch_code_kib() - floor) / 1024)
 
 def test_rss_floor_holds_the_torch_ops_a_forward_runs(tiny):
     """The reference engine's runtime pages in the code of the ATen ops a forward runs (transformer.touch_ops):
-    a model's load, prefill and decode then add almost none of libtorch_cpu.so above the floor (without it: ~8
-    MiB on a CPU prefill, the same for every model)."""
-    r = subprocess.run([sys.executable, "-c", TORCH_CODE, str(tiny)], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert float(r.stdout) < 2.0, r.stdout
+    a model's load, prefill and decode then add less than half of the libtorch_cpu.so code above the floor that
+    they add without it (~8-10 MiB on a CPU prefill, the same for every model; how much depends on the CPU's
+    kernels, hence the ratio)."""
+    def growth(mode: str) -> float:
+        r = subprocess.run([sys.executable, "-c", TORCH_CODE, str(tiny), mode], cwd=ROOT, capture_output=True,
+                           text=True)
+        assert r.returncode == 0, r.stderr
+        return float(r.stdout)
+
+    touched, untouched = growth("touched"), growth("untouched")
+    assert untouched > 4.0 and touched < 0.5 * untouched, (touched, untouched)
 
 
 def test_rounds_keep_the_largest_rss_above_floor_with_its_floor():

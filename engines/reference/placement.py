@@ -12,7 +12,7 @@ DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 def compute_dtype(asked: str, device_type: str, stored: str, cuda_bf16: bool = True, isa: str | None = None) -> str:
     """The dtype of many-token products (one-token products read the stored bytes with f32 or int8
     activations). auto: F32 files compute in f32; on CUDA F16 files in f16, the rest in bf16 (f16 where the
-    GPU lacks bf16); on a CPU the kernels' GEMMs run in bf16 with the avx512 variant (avx512_bf16: oneDNN's
+    GPU lacks bf16); on a CPU the kernels' GEMMs run in bf16 with the avx512 and amx variants (oneDNN's
     bf16 GEMM measured ~200 GFLOP/s per Zen4 core for 64x1024x1024 vs 68 for f32), in f32 with avx2.
     `isa`: the CPU kernel variant (default: the one engines.devices.cpu_isa picks)."""
     if asked != "auto":
@@ -22,7 +22,7 @@ def compute_dtype(asked: str, device_type: str, stored: str, cuda_bf16: bool = T
     if device_type == "cuda":
         return "f16" if stored == "F16" or not cuda_bf16 else "bf16"
     try:
-        return "bf16" if (isa or cpu_isa()) == "avx512" else "f32"
+        return "f32" if (isa or cpu_isa()) == "avx2" else "bf16"
     except ValueError:          # no usable variant: the engine itself will say so
         return "f32"
 

@@ -1,9 +1,11 @@
 """Hardware profile: the few figures the roofline needs, measured in a few seconds.
 
 Host: memory read and copy bandwidth (torch over 256 MiB, larger than any L3), CPU matmul
-throughput in fp32 and bf16 at the thread count used. CUDA (when torch sees a device): host->device
-bandwidth from pageable and from page-locked memory, device memory bandwidth, device matmul
-throughput (bf16, fp32), total/free VRAM. Every figure is repeated and summarized with
+throughput in fp32 and bf16 at the thread count used (on a CPU with AMX oneDNN runs the bf16 one on its
+tiles: the AMX peak the roofline takes for the reference engine, whose CPU compute dtype there is bf16), and
+the widest reference kernel variant the CPU runs (cpu_kernels: amx, avx512, avx2; "" without AVX2). CUDA
+(when torch sees a device): host->device bandwidth from pageable and from page-locked memory, device memory
+bandwidth, device matmul throughput (bf16, fp32), total/free VRAM. Every figure is repeated and summarized with
 harness.stats.stats (median, min, max, cv). Stored as JSON in
 <cache>/hardware/<hostname>.json (MOEBENCH_CACHE moves <cache>) and embedded in each run.json.
 """
@@ -97,7 +99,9 @@ def measure(threads: int | None = None, quick: bool = False) -> dict:
         free, total = torch.cuda.mem_get_info()
         gpu = {"gpu_name": torch.cuda.get_device_name(0), "vram_total_mib": total / 2**20,
                "vram_free_mib": free / 2**20}
-    return {"schema_version": SCHEMA, "hostname": socket.gethostname(), "threads": threads,
+    from engines import devices
+    kernels = next((isa for isa, need in devices.CPU_ISAS.items() if set(need) <= devices.cpu_flags()), "")
+    return {"schema_version": SCHEMA, "hostname": socket.gethostname(), "threads": threads, "cpu_kernels": kernels,
             "cores_physical": psutil.cpu_count(logical=False), "quick": quick,
             "created": datetime.now(timezone.utc).isoformat(), "torch": torch.__version__,
             "cuda": torch.cuda.is_available(), **gpu,

@@ -11,11 +11,12 @@ Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q4_K, Q5_K, 
 multiplies exactly the int8 values and scales ggml's x86 dots multiply (only the order of the float
 additions differs), so the engine's logits follow llama.cpp's to ~1e-5 on quantized files.
 
-Built once per ISA variant (engines.devices.CPU_ISAS; MOEBENCH_ISA=auto|avx2|avx512 picks one per
+Built once per ISA variant (engines.devices.CPU_ISAS; MOEBENCH_ISA=auto|avx2|avx512|amx picks one per
 process), each in its own directory and under its own extension name: "avx2" (AVX2 + FMA + F16C, what
-CI machines and most users have) and "avx512" (+ AVX512 F/BW/VL/DQ/VNNI/BF16: vpdpbusd/vpdpwssd dots,
-16-lane float kernels, bf16 scratch for oneDNN's bf16 GEMM). A variant is never loaded on a CPU without
-its flags, so a forced avx512 on an AVX2 machine is a message, not a SIGILL. Compiled by
+CI machines and most users have), "avx512" (+ AVX512 F/BW/VL/DQ/VNNI/BF16: vpdpbusd/vpdpwssd dots,
+16-lane float kernels, bf16 scratch for oneDNN's bf16 GEMM) and "amx" (+ AMX tile/int8/bf16: quant_amx.h's
+tile products of many x rows with Q4_K weights; oneDNN's bf16 GEMM runs on tiles by itself). A variant is
+never loaded on a CPU without its flags, so a forced avx512 on an AVX2 machine is a message, not a SIGILL. Compiled by
 torch.utils.cpp_extension.load (g++ and ninja, ~1 min) into cache_dir()/kernels/torch-VERSION/quant-ISA;
 ninja rebuilds when a source changes. -fopenmp makes at::parallel_for parallel in the extension (the .so
 then needs libgomp.so.1, which resolves to the copy torch already loaded: one OpenMP pool).
@@ -33,8 +34,8 @@ from engines.reference.qtensor import LAYOUT_TYPES, LAYOUTS, QTensor
 SOURCE = Path(__file__).with_name("quant.cpp")
 # -ffp-contract=off: no mul + add fused behind our back, so dequant rounds exactly as ggml and gguf-py do
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx2", "-mfma", "-mf16c"]
-ISA_CFLAGS = {"avx2": [], "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
-                                     "-mavx512bf16"]}
+AVX512_CFLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"]
+ISA_CFLAGS = {"avx2": [], "avx512": AVX512_CFLAGS, "amx": [*AVX512_CFLAGS, "-mamx-tile", "-mamx-int8", "-mamx-bf16"]}
 
 # The architecture features (engines.reference.archs.FEATURES) the fused decode steps (decode.h,
 # FusedDecode) implement; a model with any other feature runs its decode through the model's own ops.
@@ -55,6 +56,7 @@ X_FORMATS = ("F32", "F16", "BF16", "Q8_0", "Q8_1", "Q8_K")    # quant_act.h XFmt
 # GFLOP/s at n = 128, 410 against 240 at n = 32).
 ROWS_MAX_N = {"avx2": {"F32": 32, "F16": 32, "BF16": 32, "quant": 1 << 62},
               "avx512": {"F32": 32, "F16": 3, "BF16": 2, "quant": 32, "x8": 128}}
+ROWS_MAX_N["amx"] = ROWS_MAX_N["avx512"]
 ROWS_MAX_N_F32_GEMM = {"F32": 32, "F16": 32, "BF16": 32, "quant": 1 << 62}
 
 

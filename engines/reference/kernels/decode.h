@@ -155,12 +155,12 @@ at::Tensor moe_decode(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_ex
 
 // For each expert e, the cnt[e] activation rows xr[start[e]..] (grouped by expert) times W_e^T into
 // out[(start[e] + i) * ldo + r]. Experts of at most rows_max rows share one parallel region: tasks of 16
-// weight rows x all the expert's x rows, taken by the threads as they come free (the experts' row counts
-// differ, a fixed split would leave threads idle); larger ones go through gemm_into one after another.
+// weight rows (128 where AMX tiles take them: each task gathers its x rows) x all the expert's x rows, taken by
+// the threads as they come free (the experts' row counts differ, a fixed split would leave threads idle); larger
+// ones go through gemm_into one after another.
 void grouped_product(const Weight& w, const std::vector<int64_t>& start, const std::vector<int64_t>& cnt, const XRow* xr,
                      float* out, int64_t ldo, int64_t rows_max, at::ScalarType st) {
-  constexpr int64_t BLOCK = 16;
-  std::vector<std::pair<int64_t, int64_t>> tasks;          // (expert, first row)
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> tasks;          // (expert, first row, end row)
   for (size_t e = 0; e < cnt.size(); ++e) {
     if (!cnt[e]) continue;
     if (cnt[e] > rows_max) {
@@ -168,13 +168,14 @@ void grouped_product(const Weight& w, const std::vector<int64_t>& start, const s
       gemm_into(w.expert(e), xr + start[e], cnt[e], st, o);
       continue;
     }
-    for (int64_t r = 0; r < w.n; r += BLOCK) tasks.emplace_back(e, r);
+    for (int64_t r = 0, block = amx_takes(w, cnt[e]) ? 128 : 16; r < w.n; r += block)
+      tasks.emplace_back(e, r, std::min(w.n, r + block));
   }
   std::atomic<size_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     for (size_t t; (t = next.fetch_add(1)) < tasks.size();) {
-      const auto [e, r] = tasks[t];
-      rows_block(w.expert(e), r, std::min(w.n, r + BLOCK), xr + start[e], cnt[e], out + start[e] * ldo, ldo);
+      const auto [e, r, r1] = tasks[t];
+      rows_block(w.expert(e), r, r1, xr + start[e], cnt[e], out + start[e] * ldo, ldo);
     }
   });
 }

@@ -12,6 +12,10 @@
 #include <algorithm>
 #include <utility>
 #include <vector>
+#ifdef __AMX_INT8__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "quant_x8_signed.h"
 
@@ -286,9 +290,17 @@ const bool BF16_GEMM = false;
 // Rows r0..r1-1 of W times n activation rows: out[i * ldo + r]. Each weight row is read from memory once,
 // and each dot decodes its blocks once for NX_MAX x rows. Blocks of ROWS weight rows stay in L2 while
 // every x group passes by, so x (n k bytes, past L2 for large n) is read (r1 - r0) / ROWS times, not r1 - r0.
+#ifdef __AMX_INT8__
+#include "quant_amx.h"
+#else
+bool amx_takes(const Weight&, int64_t) { return false; }
+int64_t amx_rows(const Weight&, int64_t r0, int64_t, const XRow*, int64_t, float*, int64_t) { return r0; }
+#endif
+
 void rows_block(const Weight& w, int64_t r0, int64_t r1, const XRow* xr, int64_t n, float* out, int64_t ldo) {
   const int64_t ROWS = 16;
-  if (w.kern->group > 1) {      // interleaved: groups of rows times GNX x rows at once
+  if (w.kern->group > 1) {      // interleaved: AMX tiles where they take it, else groups of rows times GNX x rows
+    r0 = amx_rows(w, r0, r1, xr, n, out, ldo);
     for (int64_t b = r0; b < r1; b += ROWS)
       for (int64_t i = 0; i < n; i += GNX)
         group_dots(w, b, std::min(r1, b + ROWS), xr + i, std::min<int64_t>(GNX, n - i), out + i * ldo + b, ldo);
@@ -311,7 +323,10 @@ void rows_block(const Weight& w, int64_t r0, int64_t r1, const XRow* xr, int64_t
 // (and BF16 with the bf16 GEMM) go to the GEMM as they are. out may be a strided view (ld > w.n).
 void gemm_into(const Weight& w, const XRow* xr, int64_t n, at::ScalarType st, at::Tensor out) {
   const int64_t k = w.k;
-  at::Tensor xv = at::empty({n, k}, at::TensorOptions().dtype(at::kFloat));
+  // oneDNN (the bf16 GEMM) keeps a compiled primitive per shape, ~1 MiB each: x's rows padded with zeros to a
+  // multiple of 32 hold the experts' many row counts to a few shapes (small:f16, 128 experts: 65 MiB less RSS)
+  const int64_t np = st == at::kBFloat16 ? (n + 31) / 32 * 32 : n;
+  at::Tensor xv = at::zeros({np, k}, at::TensorOptions().dtype(at::kFloat));
   at::parallel_for(0, n, grain(k * 4), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       float* y = xv.data_ptr<float>() + r * k;
@@ -326,7 +341,8 @@ void gemm_into(const Weight& w, const XRow* xr, int64_t n, at::ScalarType st, at
   const bool aligned = reinterpret_cast<uintptr_t>(w.base) % w.kern->bytes == 0;
   if (w.type == GGML_F32 && st == at::kFloat && aligned) return (void)out.copy_(at::mm(xv, whole(at::kFloat).t()));
   const at::Tensor xs = xv.to(st);
-  if (w.type == GGML_BF16 && st == at::kBFloat16 && aligned) return (void)out.copy_(at::mm(xs, whole(at::kBFloat16).t()));
+  if (w.type == GGML_BF16 && st == at::kBFloat16 && aligned)
+    return (void)out.copy_(at::mm(xs, whole(at::kBFloat16).t()).narrow(0, 0, n));
   // ~4 MiB of scratch: the GEMM reads it from L3 right after the dequant wrote it
   const int64_t tile = std::max<int64_t>(64, (4 << 20) / (k * at::elementSize(st)) / 64 * 64);
   at::Tensor scratch = at::empty({std::min(tile, w.n), k}, at::TensorOptions().dtype(st));
@@ -334,7 +350,7 @@ void gemm_into(const Weight& w, const XRow* xr, int64_t n, at::ScalarType st, at
     const int64_t m = std::min(tile, w.n - r0);
     at::Tensor s = scratch.narrow(0, 0, m);
     dequant_rows(w, r0, m, s);
-    out.narrow(1, r0, m).copy_(at::mm(xs, s.t()));
+    out.narrow(1, r0, m).copy_(at::mm(xs, s.t()).narrow(0, 0, n));
   }
 }
 

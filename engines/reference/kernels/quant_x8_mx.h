@@ -28,8 +28,8 @@ struct MXFP4_X8 : X8Layout<MXFP4_X8, MXFP4> {
     FOR_X acc[r] = V::fzero();
     const I m4 = V::set1(0x0f0f0f0f), kv = V::mask(KV_MXFP4_12), ones = V::set1(0x00010001);
     for (int64_t b = 0; b < K / QK; ++b, g += GBYTES) {
-      I sum[NX];
-      FOR_X sum[r] = V::zero();
+      I sum[NX], shi[NX];      // vpdpbusd: low and high nibbles in two chains (a decode's one x row waits on its latency)
+      FOR_X sum[r] = shi[r] = V::zero();
       for (int half = 0; half < 2; ++half) {
         I s16[NX];               // two steps of vpmaddubsw pair sums: |2 x 2 x 2 x 24 x 128| = 24576 fits int16
         FOR_X s16[r] = V::zero();
@@ -40,12 +40,13 @@ struct MXFP4_X8 : X8Layout<MXFP4_X8, MXFP4> {
             int32_t a, h;
             memcpy(&a, x[r].q + QK * b + 4 * l, 4);
             memcpy(&h, x[r].q + QK * b + 16 + 4 * l, 4);
-            if constexpr (V::DPBUSD) sum[r] = V::dpbusd(V::dpbusd(sum[r], lo, V::set1(a)), hi, V::set1(h));
+            if constexpr (V::DPBUSD) { sum[r] = V::dpbusd(sum[r], lo, V::set1(a)); shi[r] = V::dpbusd(shi[r], hi, V::set1(h)); }
             else s16[r] = V::add16(s16[r], V::add16(V::maddubs(lo, V::set1(a)), V::maddubs(hi, V::set1(h))));
           }
         }
         if constexpr (!V::DPBUSD) FOR_X sum[r] = V::add(sum[r], V::madd(s16[r], ones));
       }
+      if constexpr (V::DPBUSD) FOR_X sum[r] = V::add(sum[r], shi[r]);
       const typename V::F sc = V::e8m0(g, gs);
       FOR_X acc[r] = V::fmaf(sc, V::fma(V::fset1(x[r].d[b]), sum[r], V::fset1(-12.f * x[r].s[b])), acc[r]);
     }

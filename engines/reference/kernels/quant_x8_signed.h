@@ -35,6 +35,28 @@ static inline void iq4_block(const uint8_t* qs, int64_t gs, const int8_t* const*
   }
 }
 
+// With VNNI: dot[r] = the int32 dot of the 32-value block at qs with q[r], the codes + 128 (unsigned, vpdpbusd's
+// side) against x, 128 times x's sum xs[r] taken off: two instructions a step and x row, against vpmaddubsw's five
+template <class V, int NX>
+static inline void iq4_dots(const uint8_t* qs, int64_t gs, const int8_t* const* q, const int32_t* xs, typename V::I* dot) {
+  using I = typename V::I;
+  const I m4 = V::set1(0x0f0f0f0f), ku = V::mask(KV_IQ4NL_128);
+  I hi[NX];                                   // a second chain per x row for the instruction's latency
+  FOR_X { dot[r] = V::set1(-128 * xs[r]); hi[r] = V::zero(); }
+  _Pragma("GCC unroll 4") for (int l = 0; l < 4; ++l) {
+    const I w = V::load(qs + 32 * l, gs);
+    const I ul = V::shuffle(ku, V::and_(w, m4)), uh = V::shuffle(ku, V::and_(V::srl16(w, 4), m4));
+    FOR_X {
+      int32_t a, h;
+      memcpy(&a, q[r] + 4 * l, 4);
+      memcpy(&h, q[r] + 16 + 4 * l, 4);
+      dot[r] = V::dpbusd(dot[r], ul, V::set1(a));
+      hi[r] = V::dpbusd(hi[r], uh, V::set1(h));
+    }
+  }
+  FOR_X dot[r] = V::add(dot[r], hi[r]);
+}
+
 // out[r * ldo + lane] = row lane . x[r] for a layout whose blocks start with the rows' f16 d: per block b
 // block(g, gs, b, sum) adds each row's int32 sum, then acc[r] += d_w d_x sum[r]
 template <class T, class V, int NX, class Block>
@@ -93,7 +115,13 @@ struct IQ4_NL_X8 : X8Layout<IQ4_NL_X8, IQ4_NL> {
     scaled_blocks<IQ4_NL_X8, V, NX>(g, K, x, out, ldo, [&](const uint8_t* blk, int64_t gs, int64_t b, I* sum) {
       const int8_t* q[NX];
       FOR_X q[r] = x[r].q + QK * b;
-      iq4_block<V, NX>(blk + QS, gs, q, ones, sum);
+      if constexpr (V::DPBUSD) {
+        int32_t xs[NX];           // the sum of x's codes: Q8_0's s = d sum(q) is exact, so s / d is too
+        FOR_X xs[r] = x[r].d[b] != 0.f ? (int32_t)std::lrint(x[r].s[b] / x[r].d[b]) : 0;
+        iq4_dots<V, NX>(blk + QS, gs, q, xs, sum);
+      } else {
+        iq4_block<V, NX>(blk + QS, gs, q, ones, sum);
+      }
     });
   }
 };
@@ -120,7 +148,15 @@ struct IQ4_XS_X8 : X8Layout<IQ4_XS_X8, IQ4_XS> {
         const I sc = V::sub(V::or_(V::and_(V::srl32(sl, 4 * j), m4), V::sll32(V::and_(V::srl32(sh, 2 * j), m2), 4)), k32);
         const int8_t* q[NX];
         FOR_X q[r] = x[r].q + QK * b + 32 * j;
-        iq4_block<V, NX>(blk + QS + 128 * j, gs, q, V::or_(V::and_(sc, m16), V::sll32(sc, 16)), sum);
+        if constexpr (V::DPBUSD) {
+          int32_t xs[NX];
+          I dot[NX];
+          FOR_X xs[r] = x[r].bs[16 * b + 2 * j] + x[r].bs[16 * b + 2 * j + 1];
+          iq4_dots<V, NX>(blk + QS + 128 * j, gs, q, xs, dot);
+          FOR_X sum[r] = V::add(sum[r], V::mullo(dot[r], sc));
+        } else {
+          iq4_block<V, NX>(blk + QS + 128 * j, gs, q, V::or_(V::and_(sc, m16), V::sll32(sc, 16)), sum);
+        }
       }
     });
   }
@@ -143,7 +179,10 @@ struct F16_X8 : X8Layout<F16_X8, F16> {
   }
 
   template <class V, int NX> static void dot_v(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
-    constexpr int A = NX == 1 ? 4 : 2;      // chains per x row: enough to cover the FMA latency
+    // chains per x row: enough to cover the FMA latency; 16 rows (avx512's dot2, which only tests run: F16 x8 is
+    // avx2's) as avx2's dot2 adds each row, so that both variants' products stay bit-identical
+    constexpr bool V16 = sizeof(typename V::F) == 64;
+    constexpr int A = NX == 1 ? (V16 ? 2 : 4) : (V16 ? 1 : 2);
     const int64_t gs = K * SRC;
     typename V::F acc[NX][A];
     FOR_X for (int a = 0; a < A; ++a) acc[r][a] = V::fzero();
