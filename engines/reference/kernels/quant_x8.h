@@ -50,6 +50,7 @@ struct V8 {
   static I set1(int32_t v) { return _mm256_set1_epi32(v); }
   static I and_(I a, I b) { return _mm256_and_si256(a, b); }
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
   static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
   static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
@@ -93,6 +94,7 @@ struct V16 {
   static I set1(int32_t v) { return _mm512_set1_epi32(v); }
   static I and_(I a, I b) { return _mm512_and_si512(a, b); }
   static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I xor_(I a, I b) { return _mm512_xor_si512(a, b); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I add16(I a, I b) { return _mm512_add_epi16(a, b); }
   static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }

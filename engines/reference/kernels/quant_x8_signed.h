@@ -87,6 +87,26 @@ struct Q8_0_X8 : X8Layout<Q8_0_X8, Q8_0> {
     using I = typename V::I;
     const I ones = V::set1(0x00010001);
     scaled_blocks<Q8_0_X8, V, NX>(g, K, x, out, ldo, [&](const uint8_t* blk, int64_t gs, int64_t b, I* sum) {
+      if constexpr (V::DPBUSD) {        // codes + 128 against x in vpdpbusd, 128 times x's sum taken off (iq4_dots)
+        const I k128 = V::set1((int32_t)0x80808080);
+        I hi[NX];
+        FOR_X {
+          sum[r] = V::set1(x[r].d[b] != 0.f ? -128 * (int32_t)std::lrint(x[r].s[b] / x[r].d[b]) : 0);
+          hi[r] = V::zero();
+        }
+        _Pragma("GCC unroll 4") for (int l = 0; l < 8; l += 2) {
+          const I u0 = V::xor_(V::load(blk + QS + 32 * l, gs), k128), u1 = V::xor_(V::load(blk + QS + 32 * l + 32, gs), k128);
+          FOR_X {
+            int32_t a0, a1;
+            memcpy(&a0, x[r].q + QK * b + 4 * l, 4);
+            memcpy(&a1, x[r].q + QK * b + 4 * l + 4, 4);
+            sum[r] = V::dpbusd(sum[r], u0, V::set1(a0));
+            hi[r] = V::dpbusd(hi[r], u1, V::set1(a1));
+          }
+        }
+        FOR_X sum[r] = V::add(sum[r], hi[r]);
+        return;
+      }
       _Pragma("GCC unroll 8") for (int l = 0; l < 8; ++l) {
         const I w = V::load(blk + QS + 32 * l, gs), u = V::abs8(w);
         FOR_X {
