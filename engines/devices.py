@@ -85,6 +85,12 @@ CPU_ISAS: dict[str, tuple[str, ...]] = {
 }
 
 
+def widest_isa(flags: frozenset[str] | None = None) -> str:
+    """The widest CPU kernel variant whose flags `flags` (default: this CPU's) has; "" for none."""
+    have = cpu_flags() if flags is None else flags
+    return next((isa for isa, need in CPU_ISAS.items() if set(need) <= have), "")
+
+
 def cpu_isa(flags: frozenset[str] | None = None) -> str:
     """The CPU kernel variant for this process: MOEBENCH_ISA=avx2|avx512|amx as asked, or (auto, the default)
     the widest one the CPU runs. Raises ValueError saying what is missing."""
@@ -99,7 +105,6 @@ def cpu_isa(flags: frozenset[str] | None = None) -> str:
         if missing[want]:
             raise ValueError(f"MOEBENCH_ISA={want}, but the CPU lacks {', '.join(missing[want])}")
         return want
-    for isa in CPU_ISAS:
-        if not missing[isa]:
-            return isa
+    if isa := widest_isa(have):
+        return isa
     raise ValueError(f"the CPU kernels need at least AVX2, FMA and F16C; the CPU lacks {', '.join(missing['avx2'])}")

@@ -99,9 +99,8 @@ def measure(threads: int | None = None, quick: bool = False) -> dict:
         free, total = torch.cuda.mem_get_info()
         gpu = {"gpu_name": torch.cuda.get_device_name(0), "vram_total_mib": total / 2**20,
                "vram_free_mib": free / 2**20}
-    from engines import devices
-    kernels = next((isa for isa, need in devices.CPU_ISAS.items() if set(need) <= devices.cpu_flags()), "")
-    return {"schema_version": SCHEMA, "hostname": socket.gethostname(), "threads": threads, "cpu_kernels": kernels,
+    from engines.devices import widest_isa
+    return {"schema_version": SCHEMA, "hostname": socket.gethostname(), "threads": threads, "cpu_kernels": widest_isa(),
             "cores_physical": psutil.cpu_count(logical=False), "quick": quick,
             "created": datetime.now(timezone.utc).isoformat(), "torch": torch.__version__,
             "cuda": torch.cuda.is_available(), **gpu,

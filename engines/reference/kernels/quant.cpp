@@ -326,7 +326,8 @@ void gemm_into(const Weight& w, const XRow* xr, int64_t n, at::ScalarType st, at
   // oneDNN (the bf16 GEMM) keeps a compiled primitive per shape, ~1 MiB each: x's rows padded with zeros to a
   // multiple of 32 hold the experts' many row counts to a few shapes (small:f16, 128 experts: 65 MiB less RSS)
   const int64_t np = st == at::kBFloat16 ? (n + 31) / 32 * 32 : n;
-  at::Tensor xv = at::zeros({np, k}, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor xv = at::empty({np, k}, at::TensorOptions().dtype(at::kFloat));
+  xv.narrow(0, n, np - n).zero_();
   at::parallel_for(0, n, grain(k * 4), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       float* y = xv.data_ptr<float>() + r * k;

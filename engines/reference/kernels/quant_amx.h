@@ -42,9 +42,12 @@ struct AmxX {
   void gather(const XRow* x, int64_t n, int64_t K) {
     const int64_t nb = K / 256;
     n16 = (n + 15) / 16 * 16;
-    q.assign(n16 * K, 0);
-    d.assign(n16 * nb, 0.f);
-    bp.assign(n16 * nb * 4, 0);
+    q.resize(n16 * K);
+    d.resize(n16 * nb);
+    bp.resize(n16 * nb * 4);
+    std::fill(q.begin() + n * K, q.end(), 0);            // the padding rows; rows < n are written below
+    std::fill(d.begin() + n * nb, d.end(), 0.f);
+    std::fill(bp.begin() + n * nb * 4, bp.end(), 0);
     for (int64_t t = 0; t < n; ++t) {
       memcpy(q.data() + t * K, x[t].q, K);
       for (int64_t b = 0; b < nb; ++b) {
@@ -68,24 +71,21 @@ struct AmxQ4K {
     ws.resize(nb * 8 * 16);
     dm.resize(nb * 16);
     mn.resize(nb * 4);
-    const auto both = [&](const uint8_t* p) { return join(ld(p), ld(p + gs)); };
-    const auto mask = [](const int8_t* m) { return _mm512_broadcast_i32x4(ld16(m)); };
     for (int64_t s = 0; s < nb; ++s, g += Q::GBYTES) {
       __m512i sm[4];
-      scales_x8(both(g + Q::U), both(g + Q::U + 32), both(g + Q::U + 64), sm, _mm512_and_si512, _mm512_or_si512,
-                [](__m512i v, int n) { return _mm512_srli_epi32(v, n); }, [](__m512i v, int n) { return _mm512_slli_epi32(v, n); },
-                [](int v) { return _mm512_set1_epi32(v); });
-      const __m512 dw = _mm512_cvtph_ps(_mm256_set_m128i(ld16(g + gs), ld16(g)));
-      _mm512_storeu_ps(dm.data() + 16 * s, _mm512_cvtph_ps(_mm256_set_m128i(ld16(g + gs + 16), ld16(g + 16))));
+      scales_x8(V16::load(g + Q::U, gs), V16::load(g + Q::U + 32, gs), V16::load(g + Q::U + 64, gs), sm, V16::and_,
+                V16::or_, V16::srl32, V16::sll32, V16::set1);
+      const __m512 dw = V16::half(g, gs);
+      _mm512_storeu_ps(dm.data() + 16 * s, V16::half(g + 16, gs));
       for (int j = 0; j < 8; ++j) {
-        const __m512i sc = _mm512_shuffle_epi8(sm[j < 4 ? 0 : 2], mask(X8_B32[j % 4]));
+        const __m512i sc = V16::shuffle(sm[j < 4 ? 0 : 2], V16::mask(X8_B32[j % 4]));
         _mm512_storeu_ps(ws.data() + (8 * s + j) * 16, _mm512_mul_ps(dw, _mm512_cvtepi32_ps(sc)));
       }
-      for (int p = 0; p < 4; ++p) mn[4 * s + p] = _mm512_shuffle_epi8(sm[p < 2 ? 1 : 3], mask(X8_PAIR[p % 2]));
+      for (int p = 0; p < 4; ++p) mn[4 * s + p] = V16::shuffle(sm[p < 2 ? 1 : 3], V16::mask(X8_PAIR[p % 2]));
       const uint8_t* qs = g + Q::QS;
       for (int c = 0; c < 4; ++c, qs += 256)
         for (int l = 0; l < 8; ++l) {
-          const __m512i w = both(qs + 32 * l);
+          const __m512i w = V16::load(qs + 32 * l, gs);
           _mm512_storeu_si512(b.data() + (8 * s + 2 * c) * 512 + 64 * l, lo4(w));
           _mm512_storeu_si512(b.data() + (8 * s + 2 * c + 1) * 512 + 64 * l, hi4(w));
         }

@@ -11,6 +11,7 @@
 // straight into vpmaddwd with the block's scale (1, or IQ4_XS's ls_j - 32): the integers of ggml's
 // vec_dot_q8_0_q8_0 / vec_dot_iq4_nl_q8_0 / vec_dot_iq4_xs_q8_K, times d_x d_w per block (super-block).
 #pragma once
+#include <tuple>
 #include "quant_x8_mx.h"
 
 namespace qk {
@@ -35,26 +36,41 @@ static inline void iq4_block(const uint8_t* qs, int64_t gs, const int8_t* const*
   }
 }
 
-// With VNNI: dot[r] = the int32 dot of the 32-value block at qs with q[r], the codes + 128 (unsigned, vpdpbusd's
-// side) against x, 128 times x's sum xs[r] taken off: two instructions a step and x row, against vpmaddubsw's five
+// With VNNI: dot[r] = the int32 dot of a block's codes with x row q[r] in S steps, the codes + 128 (unsigned:
+// vpdpbusd's side) against x, started at -128 times x's sum xs[r] so that the offset comes back off: two
+// instructions a step and x row, against vpmaddubsw's five. step(l) gives the step's two code vectors and the
+// offsets of the 4 x bytes each faces; two chains per x row for the instruction's latency.
+template <class V, int NX, int S, class Step>
+static inline void offset_dots(const int8_t* const* q, const int32_t* xs, typename V::I* dot, const Step& step) {
+  typename V::I hi[NX];
+  FOR_X { dot[r] = V::set1(-128 * xs[r]); hi[r] = V::zero(); }
+  _Pragma("GCC unroll 4") for (int l = 0; l < S; ++l) {
+    const auto [u0, o0, u1, o1] = step(l);
+    FOR_X {
+      int32_t a, h;
+      memcpy(&a, q[r] + o0, 4);
+      memcpy(&h, q[r] + o1, 4);
+      dot[r] = V::dpbusd(dot[r], u0, V::set1(a));
+      hi[r] = V::dpbusd(hi[r], u1, V::set1(h));
+    }
+  }
+  FOR_X dot[r] = V::add(dot[r], hi[r]);
+}
+
+// offset_dots on a 32-value IQ4 block at qs: step l's low nibbles face x's values 4l.., its high ones 16 + 4l..
 template <class V, int NX>
 static inline void iq4_dots(const uint8_t* qs, int64_t gs, const int8_t* const* q, const int32_t* xs, typename V::I* dot) {
   using I = typename V::I;
   const I m4 = V::set1(0x0f0f0f0f), ku = V::mask(KV_IQ4NL_128);
-  I hi[NX];                                   // a second chain per x row for the instruction's latency
-  FOR_X { dot[r] = V::set1(-128 * xs[r]); hi[r] = V::zero(); }
-  _Pragma("GCC unroll 4") for (int l = 0; l < 4; ++l) {
+  offset_dots<V, NX, 4>(q, xs, dot, [&](int l) {
     const I w = V::load(qs + 32 * l, gs);
-    const I ul = V::shuffle(ku, V::and_(w, m4)), uh = V::shuffle(ku, V::and_(V::srl16(w, 4), m4));
-    FOR_X {
-      int32_t a, h;
-      memcpy(&a, q[r] + 4 * l, 4);
-      memcpy(&h, q[r] + 16 + 4 * l, 4);
-      dot[r] = V::dpbusd(dot[r], ul, V::set1(a));
-      hi[r] = V::dpbusd(hi[r], uh, V::set1(h));
-    }
-  }
-  FOR_X dot[r] = V::add(dot[r], hi[r]);
+    return std::make_tuple(V::shuffle(ku, V::and_(w, m4)), 4 * l, V::shuffle(ku, V::and_(V::srl16(w, 4), m4)), 16 + 4 * l);
+  });
+}
+
+// The sum of a Q8_0 x row's codes in block b: its s = d sum(q) is exact in f32, so s / d is too
+static inline int32_t q8_0_sum(const XRow& x, int64_t b) {
+  return x.d[b] != 0.f ? (int32_t)std::lrint(x.s[b] / x.d[b]) : 0;
 }
 
 // out[r * ldo + lane] = row lane . x[r] for a layout whose blocks start with the rows' f16 d: per block b
@@ -87,24 +103,15 @@ struct Q8_0_X8 : X8Layout<Q8_0_X8, Q8_0> {
     using I = typename V::I;
     const I ones = V::set1(0x00010001);
     scaled_blocks<Q8_0_X8, V, NX>(g, K, x, out, ldo, [&](const uint8_t* blk, int64_t gs, int64_t b, I* sum) {
-      if constexpr (V::DPBUSD) {        // codes + 128 against x in vpdpbusd, 128 times x's sum taken off (iq4_dots)
+      if constexpr (V::DPBUSD) {        // offset_dots: steps of two loads, codes + 128 by flipping the sign bit
         const I k128 = V::set1((int32_t)0x80808080);
-        I hi[NX];
-        FOR_X {
-          sum[r] = V::set1(x[r].d[b] != 0.f ? -128 * (int32_t)std::lrint(x[r].s[b] / x[r].d[b]) : 0);
-          hi[r] = V::zero();
-        }
-        _Pragma("GCC unroll 4") for (int l = 0; l < 8; l += 2) {
-          const I u0 = V::xor_(V::load(blk + QS + 32 * l, gs), k128), u1 = V::xor_(V::load(blk + QS + 32 * l + 32, gs), k128);
-          FOR_X {
-            int32_t a0, a1;
-            memcpy(&a0, x[r].q + QK * b + 4 * l, 4);
-            memcpy(&a1, x[r].q + QK * b + 4 * l + 4, 4);
-            sum[r] = V::dpbusd(sum[r], u0, V::set1(a0));
-            hi[r] = V::dpbusd(hi[r], u1, V::set1(a1));
-          }
-        }
-        FOR_X sum[r] = V::add(sum[r], hi[r]);
+        const int8_t* q[NX];
+        int32_t xs[NX];
+        FOR_X { q[r] = x[r].q + QK * b; xs[r] = q8_0_sum(x[r], b); }
+        offset_dots<V, NX, 4>(q, xs, sum, [&](int l) {
+          return std::make_tuple(V::xor_(V::load(blk + QS + 64 * l, gs), k128), 8 * l,
+                                 V::xor_(V::load(blk + QS + 64 * l + 32, gs), k128), 8 * l + 4);
+        });
         return;
       }
       _Pragma("GCC unroll 8") for (int l = 0; l < 8; ++l) {
@@ -136,8 +143,8 @@ struct IQ4_NL_X8 : X8Layout<IQ4_NL_X8, IQ4_NL> {
       const int8_t* q[NX];
       FOR_X q[r] = x[r].q + QK * b;
       if constexpr (V::DPBUSD) {
-        int32_t xs[NX];           // the sum of x's codes: Q8_0's s = d sum(q) is exact, so s / d is too
-        FOR_X xs[r] = x[r].d[b] != 0.f ? (int32_t)std::lrint(x[r].s[b] / x[r].d[b]) : 0;
+        int32_t xs[NX];
+        FOR_X xs[r] = q8_0_sum(x[r], b);
         iq4_dots<V, NX>(blk + QS, gs, q, xs, sum);
       } else {
         iq4_block<V, NX>(blk + QS, gs, q, ones, sum);
