@@ -1,6 +1,7 @@
 """The CPU kernels' interleaved layout of Q4_K, Q6_K, MXFP4, Q8_0, IQ4_NL and IQ4_XS (QTensor layout "x8",
 kernels/quant_x8.h, quant_x8_q6.h, quant_x8_mx.h, quant_x8_signed.h)
-on every ISA variant this CPU runs (amx: Q4_K's tile products of 16 and more x rows, quant_amx.h), against the
+on every ISA variant this CPU runs (amx: Q4_K's, IQ4_XS's and IQ4_NL's tile products of 16 and more x rows,
+quant_amx.h), against the
 file layout's kernels (which tests/test_quant_kernels.py holds to llama.cpp's own code).
 
 - Repacking is lossless (x8 and back gives the file's bytes) and dequantizes bit for bit as the file layout.
@@ -9,7 +10,8 @@ file layout's kernels (which tests/test_quant_kernels.py holds to llama.cpp's ow
   bound), on the rows kernel (1..11, 16 and 37 x rows: every x tile, pairs of groups and a lone group), matvec, the GEMM
   path (dequantized tiles), moe_decode and moe_prefill (Q4_K gate/up with a Q6_K or Q4_K down, as in Q4_K_M;
   MXFP4 throughout, as gpt-oss; IQ4_XS gate/up with an IQ4_NL down, as gemma-4's IQ4_XS file).
-- The x8 products of avx2 and avx512 are bit-identical (exact int32 sums, the same float operations per row).
+- The x8 products of avx2 and avx512 are bit-identical (exact int32 sums, the same float operations per row), and
+  so are amx's IQ4 tile products and avx512's.
 - The loader holds a CPU run's matrices of those types as x8 in place of the file's bytes (weights.Holder).
 """
 import numpy as np
@@ -158,4 +160,19 @@ def test_isas_give_identical_products(t):
     _, p, _ = x8(a, t, (48, 2816))
     x = torch.from_numpy(uneven(np.random.default_rng(13), 11, 2816))
     for n in (1, 3, 11):
+        assert torch.equal(a.matmul(p, x[:n], rows_max_n=64), b.matmul(p, x[:n], rows_max_n=64)), n
+
+
+@pytest.mark.parametrize("t,k", [("IQ4_XS", 2816), ("IQ4_NL", 704), ("IQ4_NL", 96)])
+def test_amx_iq4_tiles_equal_avx512(t, k):
+    """The amx variant's IQ4 tiles form avx512's int32 block dots and the same float steps: equal bit for bit,
+    for whole and partial x tiles and a row whose blocks are not a multiple of the 4 tiles a step takes (704, 96)."""
+    ks = [kernels.quant_kernels(i) for i in ("avx512", "amx") if not kernels.missing_flags(i)]
+    ks = [k for k in ks if not isinstance(k, str)]
+    if len(ks) < 2:
+        pytest.skip("this CPU lacks AMX")
+    a, b = ks
+    _, p, _ = x8(a, t, (48, k))
+    x = torch.from_numpy(uneven(np.random.default_rng(14), 37, k))
+    for n in (16, 17, 37):
         assert torch.equal(a.matmul(p, x[:n], rows_max_n=64), b.matmul(p, x[:n], rows_max_n=64)), n

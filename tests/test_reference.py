@@ -114,6 +114,7 @@ def test_info_reports_placement_and_bytes(models):
     info = e.info()
     layer_experts = 3 * H.n_expert * H.n_ff_exp * H.n_embd * 4
     assert info.engine == "reference" and info.settings["n_cpu_moe"] == 1 and info.settings["dtype"] == "f32"
+    assert info.extra["malloc_keeps_freed"] is True         # glibc here
     assert info.expert_bytes_host == layer_experts and info.expert_bytes_total == 4 * layer_experts
     assert info.n_overridden_tensors == 3
     assert info.bytes_by_device["host"] == layer_experts
@@ -126,6 +127,37 @@ def test_info_reports_placement_and_bytes(models):
     assert info.settings["extra"]["cpu_moe_threads"] == 2 and info.extra["cpu_moe_threads_rule"].startswith("threads")
     _, e = run_ref(models["qwen3moe"], 1, cpu_moe_threads=1)
     assert e.info().settings["extra"]["cpu_moe_threads"] == 1
+
+
+KEEP_FREED_CHILD = """
+import ctypes, resource, sys
+from engines.reference.engine import keep_freed_memory
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+kept = sys.argv[1] == "1" and keep_freed_memory()
+def faults(n=16 << 20):                 # an op's output: taken, written, freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    p = libc.malloc(n)
+    ctypes.memset(p, 1, n)
+    libc.free(p)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults()
+print(kept, faults())
+"""
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_freed_blocks_keep_their_pages(keep):
+    """keep_freed_memory (what load() sets, reported as malloc_keeps_freed): a 16 MiB block freed and taken again
+    faults no pages in (glibc keeps it in the heap); without it each take faults its 4096 pages in again."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", KEEP_FREED_CHILD, "1" if keep else "0"], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parent.parent, check=True)
+    kept, faults = r.stdout.split()
+    assert kept == str(keep)
+    assert int(faults) < 256 if keep else int(faults) > 2048, r.stdout
 
 
 def test_depth_from_environment(models, monkeypatch):

@@ -50,6 +50,23 @@ CACHE_TYPES = {"f16": "float16", "f32": "float32"}          # cache_type -> torc
 ONLINE_POLICIES = ("lru", "lfu", "static", "classlru")       # the expert-cache policies cheap enough to run inside
 
 
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep freed blocks of up to 32 MiB (its largest mmap threshold) in the heap and not trim
+    the heap below 1 GiB of free space, so that the next op reuses them. By default it gives a freed block of 128 KiB
+    or more back to the kernel (its mmap threshold only rises step by step as big blocks are freed) and each op's
+    output faults its pages in again: a 512-token prefill of gemma-4-26b-a4b-4l IQ4_XS on 2 threads of a Xeon ran
+    0.99 s without this and 0.88 s with it, and its second run (a cell's first timed one) ran at steady speed. llama.cpp
+    keeps its compute buffers the same way. The high-water mark, peak RSS, does not rise. False: not glibc."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20) and mallopt(M_TRIM_THRESHOLD, 1 << 30))
+
+
 class ReferenceEngine(Engine):
     name = "reference"
     knobs = {"cache_mib": ANY_WHOLE_NUMBER, "cache_policy": ONLINE_POLICIES}
@@ -139,6 +156,7 @@ class ReferenceEngine(Engine):
         if s.dtype not in ("auto", *TORCH_DTYPES):
             raise UserError(f"dtype {s.dtype!r} is not supported by the reference engine; use auto, f32, bf16 or f16.")
         torch.set_num_threads(s.threads)
+        self._kept_freed = keep_freed_memory()
         qk = kernels.quant_kernels()         # every run keeps host experts (and on a CPU device everything) here
         if isinstance(qk, str):
             raise UserError(f"The reference engine's CPU kernels cannot run here: {qk}.")
@@ -284,6 +302,7 @@ class ReferenceEngine(Engine):
                 "kv_cache_dtype": str(self.model.cache_dtype).removeprefix("torch."),
                 "host_device": "cpu", "accelerator_device": str(self.device),
                 "cpu_moe_threads_rule": self._host_threads_rule, "weights_hugepages": self._huge,
+                "malloc_keeps_freed": self._kept_freed,
                 "fused_decode": getattr(self.model, "fused", None) is not None,
                 "host_pinned": self.device.type == "cuda",
                 "placement_note": ("the accelerator part runs on the CPU: no CUDA device" if self.device.type != "cuda"

@@ -15,9 +15,9 @@ Built once per ISA variant (engines.devices.CPU_ISAS; MOEBENCH_ISA=auto|avx2|avx
 process), each in its own directory and under its own extension name: "avx2" (AVX2 + FMA + F16C, what
 CI machines and most users have), "avx512" (+ AVX512 F/BW/VL/DQ/VNNI/BF16: vpdpbusd/vpdpwssd dots,
 16-lane float kernels, bf16 scratch for oneDNN's bf16 GEMM) and "amx" (+ AMX tile/int8/bf16: quant_amx.h's
-tile products of many x rows with Q4_K weights; oneDNN's bf16 GEMM runs on tiles by itself). A variant is
-never loaded on a CPU without its flags, so a forced avx512 on an AVX2 machine is a message, not a SIGILL. Compiled by
-torch.utils.cpp_extension.load (g++ and ninja, ~1 min) into cache_dir()/kernels/torch-VERSION/quant-ISA;
+tile products of many x rows with Q4_K, IQ4_XS and IQ4_NL weights; oneDNN's bf16 GEMM runs on tiles by itself).
+A variant is never loaded on a CPU without its flags, so a forced avx512 on an AVX2 machine is a message, not a SIGILL.
+Compiled by torch.utils.cpp_extension.load (g++ and ninja, ~1 min) into cache_dir()/kernels/torch-VERSION/quant-ISA;
 ninja rebuilds when a source changes. -fopenmp makes at::parallel_for parallel in the extension (the .so
 then needs libgomp.so.1, which resolves to the copy torch already loaded: one OpenMP pool).
 """
@@ -57,7 +57,8 @@ X_FORMATS = ("F32", "F16", "BF16", "Q8_0", "Q8_1", "Q8_K")    # quant_act.h XFmt
 ROWS_MAX_N = {"avx2": {"F32": 32, "F16": 32, "BF16": 32, "quant": 1 << 62},
               "avx512": {"F32": 32, "F16": 3, "BF16": 2, "quant": 32, "x8": 128}}
 # amx: Q4_K's tiles (quant_amx.h) keep ahead of dequantized tiles and oneDNN's bf16 GEMM (on AMX tiles too) up to
-# ~256 rows (2 threads of a Xeon with AMX, 4096 x 2048: 806 against 410 GFLOP/s at n = 128, 775 against 758 at 256)
+# ~256 rows (2 threads of a Xeon with AMX, 4096 x 2048: 806 against 410 GFLOP/s at n = 128, 775 against 758 at 256);
+# IQ4_XS's and IQ4_NL's up to x8's 128 (2112 x 2816 IQ4_XS: 832 against 701 at 128, 995 against 999 at 256)
 ROWS_MAX_N["amx"] = {**ROWS_MAX_N["avx512"], "x8/Q4_K": 256}
 ROWS_MAX_N_F32_GEMM = {"F32": 32, "F16": 32, "BF16": 32, "quant": 1 << 62}
 

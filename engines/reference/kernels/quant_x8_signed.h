@@ -165,14 +165,19 @@ struct IQ4_XS_X8 : X8Layout<IQ4_XS_X8, IQ4_XS> {
       for (int l = 0; l < 4; ++l) f(8 + 16 * j + 4 * l, QS + 128 * j + 32 * l + 4 * r, 4);
   }
 
+  // ls_j - 32 (ggml's dequantize_row_iq4_xs) of each row in its 32-bit lane, from its scale bits sh and sl there
+  template <class V> static typename V::I scale(typename V::I sh, typename V::I sl, int j) {
+    return V::sub(V::or_(V::and_(V::srl32(sl, 4 * j), V::set1(15)), V::sll32(V::and_(V::srl32(sh, 2 * j), V::set1(3)), 4)),
+                  V::set1(32));
+  }
+
   template <class V, int NX> static void dot_v(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
     using I = typename V::I;
-    const I m4 = V::set1(15), m2 = V::set1(3), m16 = V::set1(0xffff), k32 = V::set1(32);
+    const I m16 = V::set1(0xffff);
     scaled_blocks<IQ4_XS_X8, V, NX>(g, K, x, out, ldo, [&](const uint8_t* blk, int64_t gs, int64_t b, I* sum) {
       const I sh = V::u16(blk + SH, gs), sl = V::load(blk + SL, gs);     // a row's scale bits in its 32-bit lane
       for (int j = 0; j < 8; ++j) {
-        // ls_j - 32 (ggml's dequantize_row_iq4_xs) as the same int16 twice in each row's lane
-        const I sc = V::sub(V::or_(V::and_(V::srl32(sl, 4 * j), m4), V::sll32(V::and_(V::srl32(sh, 2 * j), m2), 4)), k32);
+        const I sc = scale<V>(sh, sl, j);
         const int8_t* q[NX];
         FOR_X q[r] = x[r].q + QK * b + 32 * j;
         if constexpr (V::DPBUSD) {
