@@ -11,7 +11,7 @@ file layout's kernels (which tests/test_quant_kernels.py holds to llama.cpp's ow
   path (dequantized tiles), moe_decode and moe_prefill (Q4_K gate/up with a Q6_K or Q4_K down, as in Q4_K_M;
   MXFP4 throughout, as gpt-oss; IQ4_XS gate/up with an IQ4_NL down, as gemma-4's IQ4_XS file).
 - The x8 products of avx2 and avx512 are bit-identical (exact int32 sums, the same float operations per row), and
-  so are amx's IQ4 tile products and avx512's.
+  so are amx's tile products and avx512's.
 - The loader holds a CPU run's matrices of those types as x8 in place of the file's bytes (weights.Holder).
 """
 import numpy as np
@@ -163,10 +163,10 @@ def test_isas_give_identical_products(t):
         assert torch.equal(a.matmul(p, x[:n], rows_max_n=64), b.matmul(p, x[:n], rows_max_n=64)), n
 
 
-@pytest.mark.parametrize("t,k", [("IQ4_XS", 2816), ("IQ4_NL", 704), ("IQ4_NL", 96)])
-def test_amx_iq4_tiles_equal_avx512(t, k):
-    """The amx variant's IQ4 tiles form avx512's int32 block dots and the same float steps: equal bit for bit,
-    for whole and partial x tiles and a row whose blocks are not a multiple of the 4 tiles a step takes (704, 96)."""
+@pytest.mark.parametrize("t,k", [("Q4_K", 2048), ("Q4_K", 768), ("IQ4_XS", 2816), ("IQ4_NL", 704), ("IQ4_NL", 96)])
+def test_amx_tiles_equal_avx512(t, k):
+    """The amx variant's tiles form avx512's int32 sub-block dots and the same integer and float steps: equal bit for
+    bit, for whole and partial x tiles and rows whose sub-blocks are not a multiple of the 4 tiles a step takes."""
     ks = [kernels.quant_kernels(i) for i in ("avx512", "amx") if not kernels.missing_flags(i)]
     ks = [k for k in ks if not isinstance(k, str)]
     if len(ks) < 2:

@@ -3,10 +3,10 @@
 // the tiles' VNNI order: a step's [8 rows][4 bytes] of a group, both groups side by side, is one 64-byte row of a
 // B tile (4 consecutive values of 16 weight rows), so a block's B tiles are its nibbles unpacked (IQ4: through the
 // code table), once for all x rows. The x rows (int8, gathered 16 to an A tile) go through one TDPBSUD (Q4_K:
-// int8 x uint8) or TDPBSSD (IQ4: int8 x int8) per 32-value sub-block, whose int32 tile is stored and scaled.
-// Q4_K scales each sub-block's tile in f32 by its rows' d sc_j: the integers multiplied are ggml's
-// (vec_dot_q4_K_q8_K), as in quant_x8.h, the scales applied per sub-block in f32 instead of summed in int32 first,
-// a rounding difference of ~1e-7 relative.
+// int8 x uint8) or TDPBSSD (IQ4: int8 x int8) per 32-value sub-block: the int32 dot the vpdpbusd kernels form
+// (quant_x8.h, quant_x8_signed.h). Its tile is stored and the same integer and float steps follow as there: the
+// sub-block scales times the dots summed in int32 (vpmulld), then per block acc += d_x d_w sum (Q4_K: minus
+// d_x dmin sum_j m_j bsum_j), so the products equal the avx512 variant's bit for bit.
 // Included inside quant.cpp's anonymous namespace (Weight, XRow, ...) when built with -mamx-int8.
 #pragma once
 
@@ -20,9 +20,10 @@ bool amx_ready() {
 }
 
 // The fewest x rows the tiles take (a tile holds 16; fewer rows pad it with zeros). Measured on 2 threads of a
-// Xeon with AMX (benchmarks/kernels.py --types Q4_K --isa avx512,amx, moe_prefill of 512 tokens, ~32 rows an
-// expert): 370 GFLOP/s against vpdpbusd's 329. Each 32-value sub-block's int32 tile goes through memory to be
-// scaled: that store, not the TMUL, bounds the tiles here (~2x at most over vpdpbusd, not the TMUL's 8x).
+// Xeon with AMX (matmul's rows path, 1536 x 2048 Q4_K / 1408 x 2816 IQ4_XS / 2816 x 704 IQ4_NL, GFLOP/s avx512 ->
+// amx): at 16 rows 590 -> 537, 528 -> 522, 372 -> 734; at 32: 610 -> 620, 565 -> 681, 400 -> 816; at 128:
+// 670 -> 810, 567 -> 812, 408 -> 998. Each sub-block's int32 tile goes through memory to be scaled: that store
+// and the vector work after it, not the TMUL, bound the tiles here (not the TMUL's 8x over vpdpbusd).
 constexpr int64_t AMX_MIN_N = 16;
 
 // tmm0-3: int32 results (16 x rows x 16 weight rows); tmm4-5: A (16 x rows x 32 int8 values);
@@ -60,133 +61,83 @@ struct AmxX {
   }
 };
 
-// One block of 16 weight rows (groups g and g + gs) unpacked for the tiles: per 32-value sub-block j its B tile
-// (8 x 64 bytes) and its rows' d sc_j; per super-block the rows' dmin and mins as quant_x8.h's pairs
-struct AmxQ4K {
-  std::vector<uint8_t> b;
-  std::vector<float> ws, dm;
-  std::vector<__m512i> mn;
-  void unpack(const uint8_t* g, int64_t K) {
-    using Q = Q4_K_X8;
-    const int64_t nb = K / Q::QK, gs = nb * Q::GBYTES;
-    b.resize(nb * 8 * 512);
-    ws.resize(nb * 8 * 16);
-    dm.resize(nb * 16);
-    mn.resize(nb * 4);
-    for (int64_t s = 0; s < nb; ++s, g += Q::GBYTES) {
-      __m512i sm[4];
-      scales_x8(V16::load(g + Q::U, gs), V16::load(g + Q::U + 32, gs), V16::load(g + Q::U + 64, gs), sm, V16::and_,
-                V16::or_, V16::srl32, V16::sll32, V16::set1);
-      const __m512 dw = V16::half(g, gs);
-      _mm512_storeu_ps(dm.data() + 16 * s, V16::half(g + 16, gs));
-      for (int j = 0; j < 8; ++j) {
-        const __m512i sc = V16::shuffle(sm[j < 4 ? 0 : 2], V16::mask(X8_B32[j % 4]));
-        _mm512_storeu_ps(ws.data() + (8 * s + j) * 16, _mm512_mul_ps(dw, _mm512_cvtepi32_ps(sc)));
-      }
-      for (int p = 0; p < 4; ++p) mn[4 * s + p] = V16::shuffle(sm[p < 2 ? 1 : 3], V16::mask(X8_PAIR[p % 2]));
-      const uint8_t* qs = g + Q::QS;
-      for (int c = 0; c < 4; ++c, qs += 256)
-        for (int l = 0; l < 8; ++l) {
-          const __m512i w = V16::load(qs + 32 * l, gs);
-          _mm512_storeu_si512(b.data() + (8 * s + 2 * c) * 512 + 64 * l, lo4(w));
-          _mm512_storeu_si512(b.data() + (8 * s + 2 * c + 1) * 512 + 64 * l, hi4(w));
-        }
-    }
-  }
-};
-
-// Rows r .. r + 15 (r a multiple of 8, two whole groups) of a Q4_K x8 weight times the gathered x rows:
-// out[t * ldo + r + lane] for t < n
-void amx_q4k_block(const Weight& w, int64_t r, const AmxX& x, int64_t n, float* out, int64_t ldo) {
-  thread_local AmxQ4K wb;
-  const int64_t K = w.k, nb = K / 256;
-  wb.unpack(w.row(r), K);
-  alignas(64) int32_t c[4][16][16];
-  alignas(64) float acc[16][16];
-  for (int64_t t0 = 0; t0 < x.n16; t0 += 16) {
-    memset(acc, 0, sizeof acc);
-    const int8_t* a = x.q.data() + t0 * K;
-    for (int64_t s = 0; s < nb; ++s) {
-      __m512 tmp[16];
-      for (int t = 0; t < 16; ++t) tmp[t] = _mm512_setzero_ps();
-      for (int j0 = 0; j0 < 8; j0 += 4) {
-        const uint8_t* bt = wb.b.data() + (8 * s + j0) * 512;
-        const int8_t* at = a + 256 * s + 32 * j0;
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        _tile_loadd(4, at, K);       _tile_loadd(6, bt, 64);        _tile_dpbsud(0, 4, 6);
-        _tile_loadd(5, at + 32, K);  _tile_loadd(7, bt + 512, 64);  _tile_dpbsud(1, 5, 7);
-        _tile_loadd(4, at + 64, K);  _tile_loadd(6, bt + 1024, 64); _tile_dpbsud(2, 4, 6);
-        _tile_loadd(5, at + 96, K);  _tile_loadd(7, bt + 1536, 64); _tile_dpbsud(3, 5, 7);
-        _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64); _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
-        const float* wsj = wb.ws.data() + (8 * s + j0) * 16;
-        for (int t = 0; t < 16; ++t)
-          for (int jj = 0; jj < 4; ++jj)
-            tmp[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[jj][t])), _mm512_loadu_ps(wsj + 16 * jj), tmp[t]);
-      }
-      const __m512 dm = _mm512_loadu_ps(wb.dm.data() + 16 * s);
-      for (int t = 0; t < 16; ++t) {
-        const int32_t* bp = x.bp.data() + ((t0 + t) * nb + s) * 4;
-        __m512i summ = _mm512_setzero_si512();
-        for (int p = 0; p < 4; ++p) summ = _mm512_add_epi32(summ, _mm512_madd_epi16(wb.mn[4 * s + p], _mm512_set1_epi32(bp[p])));
-        const __m512 v = _mm512_fnmadd_ps(dm, _mm512_cvtepi32_ps(summ), tmp[t]);
-        _mm512_store_ps(acc[t], _mm512_fmadd_ps(v, _mm512_set1_ps(x.d[(t0 + t) * nb + s]), _mm512_load_ps(acc[t])));
-      }
-    }
-    for (int64_t t = 0; t < std::min<int64_t>(16, n - t0); ++t) _mm512_storeu_ps(out + (t0 + t) * ldo + r, _mm512_load_ps(acc[t]));
-  }
-}
-
-// IQ4_XS and IQ4_NL x8 (quant_x8_signed.h): their codes through kvalues_iq4nl are signed int8, as x's are, so
-// TDPBSSD gives each 32-value block's int32 dot that offset_dots forms with vpdpbusd, and the same integer and
-// float steps follow (IQ4_XS: sum_j (ls_j - 32) dot_j per super-block; then acc += d_w d_x sum per block): the
-// products equal the avx512 variant's bit for bit. One block of 16 weight rows unpacked: per 32-value sub-block u
-// its B tile (8 x 64 bytes: steps 0-3's low nibbles through the table, then their high ones), per block the rows'
-// d and, IQ4_XS, per sub-block the rows' ls_j - 32.
-template <class T> struct AmxIQ4 {
+// One block of 16 weight rows (groups g and g + gs) unpacked for the tiles: per 32-value sub-block u its B tile
+// (8 x 64 bytes) and, where blocks hold several, its rows' integer scale; per block the rows' d (Q4_K: also dmin,
+// and the mins as quant_x8.h's pairs)
+template <class T> struct AmxW {
   static constexpr int64_t SB = T::QK / 32;        // 32-value sub-blocks a block
   std::vector<int8_t> b;
-  std::vector<float> dw;
-  std::vector<__m512i> sc;
+  std::vector<__m512i> sc, mn;
+  std::vector<float> dw, dm;
   void unpack(const uint8_t* g, int64_t K) {
     const int64_t nb = K / T::QK, gs = nb * T::GBYTES;
     b.resize(K / 32 * 512);
     dw.resize(nb * 16);
     sc.resize(SB > 1 ? K / 32 : 0);
-    const __m512i kv = V16::mask(KV_IQ4NL);
     int8_t* bt = b.data();
+    const auto both = [&](int8_t* t, int l, __m512i lo, __m512i hi, int step) {
+      _mm512_storeu_si512(t + 64 * l, lo);
+      _mm512_storeu_si512(t + step + 64 * l, hi);
+    };
+    if constexpr (std::is_same_v<T, Q4_K_X8>) {
+      dm.resize(nb * 16);
+      mn.resize(nb * 4);
+    }
     for (int64_t s = 0; s < nb; ++s, g += T::GBYTES) {
       _mm512_storeu_ps(dw.data() + 16 * s, V16::half(g, gs));
-      if constexpr (SB > 1) {
-        const __m512i sh = V16::u16(g + T::SH, gs), sl = V16::load(g + T::SL, gs);
-        for (int j = 0; j < 8; ++j) sc[8 * s + j] = T::template scale<V16>(sh, sl, j);
-      }
-      for (int j = 0; j < SB; ++j, bt += 512)
-        for (int l = 0; l < 4; ++l) {
-          const __m512i w = V16::load(g + T::QS + 128 * j + 32 * l, gs);
-          _mm512_storeu_si512(bt + 64 * l, V16::shuffle(kv, lo4(w)));
-          _mm512_storeu_si512(bt + 64 * (4 + l), V16::shuffle(kv, hi4(w)));
+      if constexpr (std::is_same_v<T, Q4_K_X8>) {
+        // chunk c: low nibbles are sub-block 2c (values 64c + 4l..), high ones sub-block 2c + 1
+        __m512i sm[4];
+        scales_x8(V16::load(g + T::U, gs), V16::load(g + T::U + 32, gs), V16::load(g + T::U + 64, gs), sm, V16::and_,
+                  V16::or_, V16::srl32, V16::sll32, V16::set1);
+        _mm512_storeu_ps(dm.data() + 16 * s, V16::half(g + 16, gs));
+        for (int j = 0; j < 8; ++j) sc[8 * s + j] = V16::shuffle(sm[j < 4 ? 0 : 2], V16::mask(X8_B32[j % 4]));
+        for (int p = 0; p < 4; ++p) mn[4 * s + p] = V16::shuffle(sm[p < 2 ? 1 : 3], V16::mask(X8_PAIR[p % 2]));
+        for (int c = 0; c < 4; ++c, bt += 1024)
+          for (int l = 0; l < 8; ++l) {
+            const __m512i w = V16::load(g + T::QS + 256 * c + 32 * l, gs);
+            both(bt, l, lo4(w), hi4(w), 512);
+          }
+      } else {
+        // step l of a 32-value block: low nibbles are values 4l.., high ones 16 + 4l..
+        if constexpr (SB > 1) {
+          const __m512i sh = V16::u16(g + T::SH, gs), sl = V16::load(g + T::SL, gs);
+          for (int j = 0; j < 8; ++j) sc[8 * s + j] = T::template scale<V16>(sh, sl, j);
         }
+        const __m512i kv = V16::mask(KV_IQ4NL);
+        for (int j = 0; j < SB; ++j, bt += 512)
+          for (int l = 0; l < 4; ++l) {
+            const __m512i w = V16::load(g + T::QS + 128 * j + 32 * l, gs);
+            both(bt, l, V16::shuffle(kv, lo4(w)), V16::shuffle(kv, hi4(w)), 256);
+          }
+      }
     }
   }
 };
 
-// TDPBSSD of sub-blocks u .. u + m - 1 (m <= 4) of the 16 x rows at a, into c[0 .. m - 1]
-static inline void amx_iq4_dots(const int8_t* a, int64_t K, const int8_t* bt, int m, int32_t (*c)[16][16]) {
-  _tile_zero(0); _tile_loadd(4, a, K);       _tile_loadd(6, bt, 64);        _tile_dpbssd(0, 4, 6);
-  if (m > 1) { _tile_zero(1); _tile_loadd(5, a + 32, K);  _tile_loadd(7, bt + 512, 64);  _tile_dpbssd(1, 5, 7); }
-  if (m > 2) { _tile_zero(2); _tile_loadd(4, a + 64, K);  _tile_loadd(6, bt + 1024, 64); _tile_dpbssd(2, 4, 6); }
-  if (m > 3) { _tile_zero(3); _tile_loadd(5, a + 96, K);  _tile_loadd(7, bt + 1536, 64); _tile_dpbssd(3, 5, 7); }
+// The dots of sub-blocks u .. u + m - 1 (m <= 4) of the 16 x rows at a with B tiles bt, into c[0 .. m - 1]:
+// TDPBSUD for Q4_K's unsigned nibbles, TDPBSSD for IQ4's signed codes
+template <bool UNSIGNED>
+static inline void amx_dots(const int8_t* a, int64_t K, const int8_t* bt, int m, int32_t (*c)[16][16]) {
+#define AMX_DOT(C, A, B) if constexpr (UNSIGNED) _tile_dpbsud(C, A, B); else _tile_dpbssd(C, A, B)
+  _tile_zero(0); _tile_loadd(4, a, K); _tile_loadd(6, bt, 64); AMX_DOT(0, 4, 6);
+  if (m > 1) { _tile_zero(1); _tile_loadd(5, a + 32, K); _tile_loadd(7, bt + 512, 64); AMX_DOT(1, 5, 7); }
+  if (m > 2) { _tile_zero(2); _tile_loadd(4, a + 64, K); _tile_loadd(6, bt + 1024, 64); AMX_DOT(2, 4, 6); }
+  if (m > 3) { _tile_zero(3); _tile_loadd(5, a + 96, K); _tile_loadd(7, bt + 1536, 64); AMX_DOT(3, 5, 7); }
+#undef AMX_DOT
   _tile_stored(0, c[0], 64);
   if (m > 1) _tile_stored(1, c[1], 64);
   if (m > 2) _tile_stored(2, c[2], 64);
   if (m > 3) _tile_stored(3, c[3], 64);
 }
 
-// Rows r .. r + 15 of an IQ4_XS or IQ4_NL x8 weight times the gathered x rows: out[t * ldo + r + lane] for t < n
+// Rows r .. r + 15 (r a multiple of 8, two whole groups) of an x8 weight of type T times the gathered x rows:
+// out[t * ldo + r + lane] for t < n
 template <class T>
-void amx_iq4_block(const Weight& w, int64_t r, const AmxX& x, int64_t n, float* out, int64_t ldo) {
-  thread_local AmxIQ4<T> wb;
-  constexpr int64_t SB = AmxIQ4<T>::SB;
+void amx_block_of(const Weight& w, int64_t r, const AmxX& x, int64_t n, float* out, int64_t ldo) {
+  constexpr bool Q4K = std::is_same_v<T, Q4_K_X8>;
+  constexpr int64_t SB = AmxW<T>::SB;
+  thread_local AmxW<T> wb;
   const int64_t K = w.k, nu = K / 32, nb = K / T::QK;
   wb.unpack(w.row(r), K);
   alignas(64) int32_t c[4][16][16];
@@ -195,19 +146,25 @@ void amx_iq4_block(const Weight& w, int64_t r, const AmxX& x, int64_t n, float* 
     __m512i sum[16];
     for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps(), sum[t] = _mm512_setzero_si512();
     const int8_t* a = x.q.data() + t0 * K;
-    const float* dx = x.d.data() + t0 * nb;
     for (int64_t u0 = 0; u0 < nu; u0 += 4) {
       const int m = (int)std::min<int64_t>(4, nu - u0);
-      amx_iq4_dots(a + 32 * u0, K, wb.b.data() + 512 * u0, m, c);
+      amx_dots<Q4K>(a + 32 * u0, K, wb.b.data() + 512 * u0, m, c);
       for (int i = 0; i < m; ++i) {
         const int64_t u = u0 + i, b = u / SB;
-        if constexpr (SB > 1)
+        if constexpr (SB > 1) {
           for (int t = 0; t < 16; ++t) sum[t] = V16::add(sum[t], V16::mullo(_mm512_load_si512(c[i][t]), wb.sc[u]));
-        if (SB > 1 && u % SB != SB - 1) continue;
-        const __m512 d = _mm512_loadu_ps(wb.dw.data() + 16 * b);
+          if (u % SB != SB - 1) continue;
+        }
+        const __m512 dw = _mm512_loadu_ps(wb.dw.data() + 16 * b);
         for (int t = 0; t < 16; ++t) {
-          const __m512i v = SB > 1 ? sum[t] : _mm512_load_si512(c[i][t]);
-          acc[t] = V16::fma(V16::mul(d, V16::fset1(dx[t * nb + b])), v, acc[t]);
+          const __m512 dx = V16::fset1(x.d[(t0 + t) * nb + b]);
+          acc[t] = V16::fma(V16::mul(dx, dw), SB > 1 ? sum[t] : _mm512_load_si512(c[i][t]), acc[t]);
+          if constexpr (Q4K) {
+            const int32_t* bp = x.bp.data() + ((t0 + t) * nb + b) * 4;
+            __m512i summ = _mm512_setzero_si512();
+            for (int p = 0; p < 4; ++p) summ = V16::add(summ, V16::madd(wb.mn[4 * b + p], V16::set1(bp[p])));
+            acc[t] = _mm512_fnmadd_ps(V16::mul(dx, _mm512_loadu_ps(wb.dm.data() + 16 * b)), _mm512_cvtepi32_ps(summ), acc[t]);
+          }
           if constexpr (SB > 1) sum[t] = _mm512_setzero_si512();
         }
       }
@@ -220,9 +177,9 @@ void amx_iq4_block(const Weight& w, int64_t r, const AmxX& x, int64_t n, float* 
 using AmxBlockFn = void (*)(const Weight&, int64_t, const AmxX&, int64_t, float*, int64_t);
 AmxBlockFn amx_block(int64_t type) {
   switch (type) {
-    case GGML_Q4_K_X8: return amx_q4k_block;
-    case GGML_IQ4_XS_X8: return amx_iq4_block<IQ4_XS_X8>;
-    case GGML_IQ4_NL_X8: return amx_iq4_block<IQ4_NL_X8>;
+    case GGML_Q4_K_X8: return amx_block_of<Q4_K_X8>;
+    case GGML_IQ4_XS_X8: return amx_block_of<IQ4_XS_X8>;
+    case GGML_IQ4_NL_X8: return amx_block_of<IQ4_NL_X8>;
     default: return nullptr;
   }
 }
