@@ -1,14 +1,13 @@
 """The CPU kernels' interleaved layout of Q4_K, Q6_K, MXFP4, Q8_0, IQ4_NL and IQ4_XS (QTensor layout "x8",
 kernels/quant_x8.h, quant_x8_q6.h, quant_x8_mx.h, quant_x8_signed.h)
-on every ISA variant this CPU runs (amx: Q4_K's, IQ4_XS's and IQ4_NL's tile products of 16 and more x rows,
-quant_amx.h), against the
-file layout's kernels (which tests/test_quant_kernels.py holds to llama.cpp's own code).
+on every ISA variant this CPU runs (amx: Q4_K's, IQ4_XS's and IQ4_NL's tile products of many x rows,
+quant_amx.h), against the file layout's kernels (which tests/test_quant_kernels.py holds to llama.cpp's own code).
 
 - Repacking is lossless (x8 and back gives the file's bytes) and dequantizes bit for bit as the file layout.
 - Products multiply the same int8 values and integer scales as the file layout's (ggml's): only the float
   additions' order differs, so every result is within 2e-6 of sum |w x| of the file layout's (test_isas_agree's
-  bound), on the rows kernel (1..11, 16 and 37 x rows: every x tile, pairs of groups and a lone group), matvec, the GEMM
-  path (dequantized tiles), moe_decode and moe_prefill (Q4_K gate/up with a Q6_K or Q4_K down, as in Q4_K_M;
+  bound), on the rows kernel (1..11, 16, 37 and 53 x rows: every x tile, pairs of groups and a lone group), matvec,
+  the GEMM path (dequantized tiles), moe_decode and moe_prefill (Q4_K gate/up with a Q6_K or Q4_K down, as in Q4_K_M;
   MXFP4 throughout, as gpt-oss; IQ4_XS gate/up with an IQ4_NL down, as gemma-4's IQ4_XS file).
 - The x8 products of avx2 and avx512 are bit-identical (exact int32 sums, the same float operations per row), and
   so are amx's tile products and avx512's.
@@ -78,10 +77,10 @@ def test_layout_rules(qk):
 @pytest.mark.parametrize("k", [512, 2816])
 def test_products_equal_file_layout(qk, t, k):
     q, p, W = x8(qk, t, (40, k))                       # 5 groups: two pairs and a lone group where there is dot2
-    x = uneven(np.random.default_rng(11), 37, k)
+    x = uneven(np.random.default_rng(11), 53, k)
     tol = 2e-6 * (np.abs(as_ggml_sees(qk, t, x)) @ np.abs(W.astype(np.float64)).T) + 1e-30
     xs = torch.from_numpy(x)
-    for n in (*range(1, 12), 16, 37):                # 16 and more: the amx variant's tiles (quant_amx.h)
+    for n in (*range(1, 12), 16, 37, 53):            # 16, 24, 48 and more: the amx variant's tiles (quant_amx.h)
         check(qk.matmul(p, xs[:n], rows_max_n=n).numpy(), qk.matmul(q, xs[:n], rows_max_n=n).numpy(), tol[:n],
               f"rows n={n}")
     check(qk.matvec(p, xs[3]).numpy()[None], qk.matvec(q, xs[3]).numpy()[None], tol[3:4], "matvec")
@@ -98,7 +97,7 @@ def test_experts_equal_file_layout(qk, gt, dt):
     against the same stacks as stored. The same int8 values, in another float order: mostly within 1e-6
     of the largest output, but an activation may cross an int8 rounding boundary of the down product's x
     (measured 6e-4): test_moe_prefill_is_moe_decode_per_token's bound, 3e-3."""
-    E, D, ff, n, k = 6, 256, 512, 70, 3                # ~50 rows an expert: amx's tiles take Q4_K from 32
+    E, D, ff, n, k = 6, 256, 512, 70, 3                # ~50 rows an expert: amx's tiles take Q4_K from 48
     g = np.random.default_rng(12)
     fused = x8(qk, gt, (E, 2 * ff, D), 2)
     gate, up = x8(qk, gt, (E, ff, D), 3), x8(qk, gt, (E, ff, D), 4)
@@ -173,6 +172,6 @@ def test_amx_tiles_equal_avx512(t, k):
         pytest.skip("this CPU lacks AMX")
     a, b = ks
     _, p, _ = x8(a, t, (48, k))
-    x = torch.from_numpy(uneven(np.random.default_rng(14), 37, k))
-    for n in (16, 17, 37):
+    x = torch.from_numpy(uneven(np.random.default_rng(14), 53, k))
+    for n in (16, 17, 37, 48, 53):                   # the tiles take Q4_K from 48 rows, IQ4_XS from 24
         assert torch.equal(a.matmul(p, x[:n], rows_max_n=64), b.matmul(p, x[:n], rows_max_n=64)), n

@@ -19,12 +19,12 @@ bool amx_ready() {
   return ok;
 }
 
-// The fewest x rows the tiles take (a tile holds 16; fewer rows pad it with zeros). Measured on 2 threads of a
-// Xeon with AMX (matmul's rows path, 1536 x 2048 Q4_K / 1408 x 2816 IQ4_XS / 2816 x 704 IQ4_NL, GFLOP/s avx512 ->
-// amx): at 16 rows 590 -> 537, 528 -> 522, 372 -> 734; at 32: 610 -> 620, 565 -> 681, 400 -> 816; at 128:
-// 670 -> 810, 567 -> 812, 408 -> 998. Each sub-block's int32 tile goes through memory to be scaled: that store
-// and the vector work after it, not the TMUL, bound the tiles here (not the TMUL's 8x over vpdpbusd).
-constexpr int64_t AMX_MIN_N = 16;
+// The fewest x rows the tiles take of each type (a tile holds 16; fewer rows pad it with zeros), where they overtake
+// vpdpbusd on 2 threads of a Xeon with AMX (matmul's rows path; 1536 x 2048 Q4_K, 1408 x 2816 IQ4_XS, 2816 x 704
+// IQ4_NL; GFLOP/s avx512 -> amx): Q4_K 626 -> 630 at 32 rows, 696 -> 690 at 40, 650 -> 780 at 48; IQ4_XS 583 -> 588
+// at 24, 589 -> 767 at 32; IQ4_NL 383 -> 717 at 16. Each sub-block's int32 tile goes through memory to be scaled:
+// that store and the vector work after it, not the TMUL, bound the tiles here (not the TMUL's 8x over vpdpbusd).
+constexpr int64_t AMX_MIN_N_Q4_K = 48, AMX_MIN_N_IQ4_XS = 24, AMX_MIN_N_IQ4_NL = 16;
 
 // tmm0-3: int32 results (16 x rows x 16 weight rows); tmm4-5: A (16 x rows x 32 int8 values);
 // tmm6-7: B (8 rows of 4 values x 16 weight rows)
@@ -173,27 +173,29 @@ void amx_block_of(const Weight& w, int64_t r, const AmxX& x, int64_t n, float* o
   }
 }
 
-// The x8 types the tiles take, and the block of 16 rows of each
+// The x8 types the tiles take: the block of 16 rows of each, and the fewest x rows it takes
 using AmxBlockFn = void (*)(const Weight&, int64_t, const AmxX&, int64_t, float*, int64_t);
-AmxBlockFn amx_block(int64_t type) {
+std::pair<AmxBlockFn, int64_t> amx_block(int64_t type) {
   switch (type) {
-    case GGML_Q4_K_X8: return amx_block_of<Q4_K_X8>;
-    case GGML_IQ4_XS_X8: return amx_block_of<IQ4_XS_X8>;
-    case GGML_IQ4_NL_X8: return amx_block_of<IQ4_NL_X8>;
-    default: return nullptr;
+    case GGML_Q4_K_X8: return {amx_block_of<Q4_K_X8>, AMX_MIN_N_Q4_K};
+    case GGML_IQ4_XS_X8: return {amx_block_of<IQ4_XS_X8>, AMX_MIN_N_IQ4_XS};
+    case GGML_IQ4_NL_X8: return {amx_block_of<IQ4_NL_X8>, AMX_MIN_N_IQ4_NL};
+    default: return {nullptr, 0};
   }
 }
 
-bool amx_takes(const Weight& w, int64_t n) { return amx_block(w.type) && n >= AMX_MIN_N && amx_ready(); }
+bool amx_takes(const Weight& w, int64_t n) {
+  const auto [block, min_n] = amx_block(w.type);
+  return block && n >= min_n && amx_ready();
+}
 
 // Rows r0.. of w times n x rows through the tiles, 16 rows at a time: out[i * ldo + r]. Returns the first row
 // not done (r0 when the tiles do not take w or n; the caller's kernels do the rest).
 int64_t amx_rows(const Weight& w, int64_t r0, int64_t r1, const XRow* xr, int64_t n, float* out, int64_t ldo) {
   if (r1 - r0 < 16 || !amx_takes(w, n)) return r0;
-  const AmxBlockFn block = amx_block(w.type);
-  const bool q4k = w.type == GGML_Q4_K_X8;
+  const AmxBlockFn block = amx_block(w.type).first;
   thread_local AmxX x;
-  x.gather(xr, n, w.k, q4k || w.type == GGML_IQ4_XS_X8 ? 256 : 32, q4k);
+  x.gather(xr, n, w.k, w.kern->fmt == X_Q8_K ? 256 : 32, w.type == GGML_Q4_K_X8);
   static const TileConfig cfg;
   _tile_loadconfig(&cfg);
   int64_t r = r0;
