@@ -181,11 +181,10 @@ void grouped_product(const Weight& w, const std::vector<int64_t>& start, const s
 }
 
 // Many tokens' routed experts (the host path of a prefill): y (n, D) = sum_j w[t, j] (down_e act(gate_e x_t +
-// gb_e, up_e x_t + ub_e) + db_e), e = ids[t, j], the sum in slot order j as ggml adds the experts' views. The
-// (token, slot) pairs are grouped by expert; x is converted once per format for all tokens, and each
-// expert's products read its weight rows once for all its rows (grouped_product). Arguments as
-// moe_decode; rows_max_gu / rows_max_down: the most rows of one expert that go to the rows kernel (more:
-// dequantized tiles and a GEMM in gemm_dtype(bf16)), as matmul's rows_max_n.
+// gb_e, up_e x_t + ub_e) + db_e), e = ids[t, j]. The (token, slot) pairs are grouped by expert; x is converted once
+// per format for all tokens, and each expert's products read its weight rows once for all its rows
+// (grouped_product). Arguments as moe_decode; rows_max_gu / rows_max_down: the most rows of one expert that go to
+// the rows kernel (more: dequantized tiles and a GEMM in gemm_dtype(bf16)), as matmul's rows_max_n.
 at::Tensor moe_prefill(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_expert, int64_t ff, SArg gate_a,
                        SArg up_a, SArg down_a, int64_t act, double alpha, double limit,
                        std::optional<at::Tensor> gate_bias, std::optional<at::Tensor> up_bias,
@@ -202,12 +201,12 @@ at::Tensor moe_prefill(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_e
   const float* wt = wc.data_ptr<float>();
   const at::ScalarType st = gemm_dtype(bf16);
 
-  // slots s = t K + j grouped by expert: the slot at grouped position p is slot_at[p], slot s sits at pos[s]
-  std::vector<int64_t> cnt(n_expert, 0), start(n_expert, 0), slot_at(S), pos(S);
+  // slots s = t K + j grouped by expert: the slot at grouped position p is slot_at[p]
+  std::vector<int64_t> cnt(n_expert, 0), start(n_expert, 0), slot_at(S);
   for (int64_t s = 0; s < S; ++s) ++cnt[id[s]];
   for (int64_t e = 1; e < n_expert; ++e) start[e] = start[e - 1] + cnt[e - 1];
   std::vector<int64_t> fill(start);
-  for (int64_t s = 0; s < S; ++s) slot_at[pos[s] = fill[id[s]]++] = s;
+  for (int64_t s = 0; s < S; ++s) slot_at[fill[id[s]]++] = s;
 
   const auto fmt = [&](const Weight& w, int64_t rows_max) {          // x_format: does any expert take the rows kernel?
     bool rows = false;
@@ -217,51 +216,54 @@ at::Tensor moe_prefill(at::Tensor x, at::Tensor ids, at::Tensor wts, int64_t n_e
   Acts xa(x.data_ptr<float>(), n, D);
   const XRow* xg = xa.rows(fmt(gate, rows_max_gu));
   const XRow* xu = xa.rows(fmt(up, rows_max_gu));
+  const XFmt down_fmt = fmt(down, rows_max_down);
   std::vector<XRow> gx(S), ux(S);                       // each grouped row's token, as pointers: no copy of x
   for (int64_t p = 0; p < S; ++p) gx[p] = xg[slot_at[p] / K], ux[p] = xu[slot_at[p] / K];
 
-  // gate and up products, then the activations (the down products' x rows), a run of whole experts at a time:
-  // h (a run's rows: gate products, then up products) stays near H_BYTES instead of S x 2 ff floats
-  constexpr int64_t H_BYTES = 2 << 20;
-  std::vector<float> a(S * ff), h;
+  // A run of whole experts at a time: gate and up products (h), the activations (a: the down products' x rows), the
+  // down products (ys), each row's weighted output added into its token's y. The run's buffers stay near RUN_BYTES
+  // instead of S x (3 ff + D) floats (gemma-4's 512 tokens: 80 MiB). A token's experts are added in expert order
+  // (ggml adds them in slot order: the same terms, their float additions in another order).
+  constexpr int64_t RUN_BYTES = 4 << 20;
+  const int64_t row_bytes = (3 * ff + D) * 4;
+  auto y = at::zeros({n, D}, x.options());
+  float* yp = y.data_ptr<float>();
+  std::vector<float> h, a, ys;
   const Act& fn = sk.act;
   for (int64_t e0 = 0, e1; e0 < n_expert; e0 = e1) {
     int64_t rows = cnt[e0];
-    for (e1 = e0 + 1; e1 < n_expert && (rows + cnt[e1]) * 2 * ff * 4 <= H_BYTES; ++e1) rows += cnt[e1];
+    for (e1 = e0 + 1; e1 < n_expert && (rows + cnt[e1]) * row_bytes <= RUN_BYTES; ++e1) rows += cnt[e1];
     if (!rows) continue;
     const int64_t p0 = start[e0];
     std::vector<int64_t> c(n_expert, 0), s(n_expert, 0);   // the run's experts, their rows from p0
     for (int64_t e = e0; e < e1; ++e) c[e] = cnt[e], s[e] = start[e] - p0;
     h.resize(rows * 2 * ff);
+    a.resize(rows * ff);
+    ys.resize(rows * D);
     grouped_product(gate, s, c, gx.data() + p0, h.data(), 2 * ff, rows_max_gu, st);
     grouped_product(up, s, c, ux.data() + p0, h.data() + ff, 2 * ff, rows_max_gu, st);
     at::parallel_for(0, rows, std::max<int64_t>(1, grain(ff * 8)), [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         const int64_t ex = id[slot_at[p0 + i]];
         fn.row(h.data() + i * 2 * ff, h.data() + i * 2 * ff + ff, gb ? gb + ex * ff : nullptr,
-               ub ? ub + ex * ff : nullptr, a.data() + (p0 + i) * ff, ff);
+               ub ? ub + ex * ff : nullptr, a.data() + i * ff, ff);
+      }
+    });
+    Acts aa(a.data(), rows, ff);
+    grouped_product(down, s, c, aa.rows(down_fmt), ys.data(), D, rows_max_down, st);
+    // threads split y's columns: a token's rows of the run (one an expert) land in one thread's columns in turn
+    at::parallel_for(0, D, std::max<int64_t>(16, grain(rows * 8)), [&](int64_t d0, int64_t d1) {
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t sl = slot_at[p0 + i];
+        const float *yr = ys.data() + i * D, wj = wt[sl];
+        float* yt = yp + sl / K * D;
+        if (db)
+          for (int64_t d = d0, o = id[sl] * D; d < d1; ++d) yt[d] += wj * (yr[d] + db[o + d]);
+        else
+          for (int64_t d = d0; d < d1; ++d) yt[d] += wj * yr[d];
       }
     });
   }
-  std::vector<float>().swap(h);
-  Acts aa(a.data(), S, ff);
-  std::vector<float> ys(S * D);
-  grouped_product(down, start, cnt, aa.rows(fmt(down, rows_max_down)), ys.data(), D, rows_max_down, st);
-
-  auto y = at::zeros({n, D}, x.options());
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, std::max<int64_t>(1, grain(K * D * 4)), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t)
-      for (int64_t j = 0; j < K; ++j) {
-        const int64_t s = t * K + j;
-        const float *yr = ys.data() + pos[s] * D, wj = wt[s];
-        float* yt = yp + t * D;
-        if (db)
-          for (int64_t d = 0, o = id[s] * D; d < D; ++d) yt[d] += wj * (yr[d] + db[o + d]);
-        else
-          for (int64_t d = 0; d < D; ++d) yt[d] += wj * yr[d];
-      }
-  });
   return y;
 }
 
