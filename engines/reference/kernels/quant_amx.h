@@ -65,6 +65,7 @@ struct AmxX {
 // (8 x 64 bytes) and, where blocks hold several, its rows' integer scale; per block the rows' d (Q4_K: also dmin,
 // and the mins as quant_x8.h's pairs)
 template <class T> struct AmxW {
+  static constexpr bool Q4K = std::is_same_v<T, Q4_K_X8>;
   static constexpr int64_t SB = T::QK / 32;        // 32-value sub-blocks a block
   std::vector<int8_t> b;
   std::vector<__m512i> sc, mn;
@@ -75,17 +76,17 @@ template <class T> struct AmxW {
     dw.resize(nb * 16);
     sc.resize(SB > 1 ? K / 32 : 0);
     int8_t* bt = b.data();
-    const auto both = [&](int8_t* t, int l, __m512i lo, __m512i hi, int step) {
+    const auto both = [](int8_t* t, int l, __m512i lo, __m512i hi, int step) {
       _mm512_storeu_si512(t + 64 * l, lo);
       _mm512_storeu_si512(t + step + 64 * l, hi);
     };
-    if constexpr (std::is_same_v<T, Q4_K_X8>) {
+    if constexpr (Q4K) {
       dm.resize(nb * 16);
       mn.resize(nb * 4);
     }
     for (int64_t s = 0; s < nb; ++s, g += T::GBYTES) {
       _mm512_storeu_ps(dw.data() + 16 * s, V16::half(g, gs));
-      if constexpr (std::is_same_v<T, Q4_K_X8>) {
+      if constexpr (Q4K) {
         // chunk c: low nibbles are sub-block 2c (values 64c + 4l..), high ones sub-block 2c + 1
         __m512i sm[4];
         scales_x8(V16::load(g + T::U, gs), V16::load(g + T::U + 32, gs), V16::load(g + T::U + 64, gs), sm, V16::and_,
@@ -135,7 +136,7 @@ static inline void amx_dots(const int8_t* a, int64_t K, const int8_t* bt, int m,
 // out[t * ldo + r + lane] for t < n
 template <class T>
 void amx_block_of(const Weight& w, int64_t r, const AmxX& x, int64_t n, float* out, int64_t ldo) {
-  constexpr bool Q4K = std::is_same_v<T, Q4_K_X8>;
+  constexpr bool Q4K = AmxW<T>::Q4K;
   constexpr int64_t SB = AmxW<T>::SB;
   thread_local AmxW<T> wb;
   const int64_t K = w.k, nu = K / 32, nb = K / T::QK;
@@ -156,6 +157,7 @@ void amx_block_of(const Weight& w, int64_t r, const AmxX& x, int64_t n, float* o
           if (u % SB != SB - 1) continue;
         }
         const __m512 dw = _mm512_loadu_ps(wb.dw.data() + 16 * b);
+        const __m512 dm = Q4K ? _mm512_loadu_ps(wb.dm.data() + 16 * b) : _mm512_setzero_ps();   // Q4_K's dmin
         for (int t = 0; t < 16; ++t) {
           const __m512 dx = V16::fset1(x.d[(t0 + t) * nb + b]);
           acc[t] = V16::fma(V16::mul(dx, dw), SB > 1 ? sum[t] : _mm512_load_si512(c[i][t]), acc[t]);
@@ -163,7 +165,7 @@ void amx_block_of(const Weight& w, int64_t r, const AmxX& x, int64_t n, float* o
             const int32_t* bp = x.bp.data() + ((t0 + t) * nb + b) * 4;
             __m512i summ = _mm512_setzero_si512();
             for (int p = 0; p < 4; ++p) summ = V16::add(summ, V16::madd(wb.mn[4 * b + p], V16::set1(bp[p])));
-            acc[t] = _mm512_fnmadd_ps(V16::mul(dx, _mm512_loadu_ps(wb.dm.data() + 16 * b)), _mm512_cvtepi32_ps(summ), acc[t]);
+            acc[t] = _mm512_fnmadd_ps(V16::mul(dx, dm), _mm512_cvtepi32_ps(summ), acc[t]);
           }
           if constexpr (SB > 1) sum[t] = _mm512_setzero_si512();
         }

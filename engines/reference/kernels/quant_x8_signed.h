@@ -167,8 +167,8 @@ struct IQ4_XS_X8 : X8Layout<IQ4_XS_X8, IQ4_XS> {
 
   // ls_j - 32 (ggml's dequantize_row_iq4_xs) of each row in its 32-bit lane, from its scale bits sh and sl there
   template <class V> static typename V::I scale(typename V::I sh, typename V::I sl, int j) {
-    return V::sub(V::or_(V::and_(V::srl32(sl, 4 * j), V::set1(15)), V::sll32(V::and_(V::srl32(sh, 2 * j), V::set1(3)), 4)),
-                  V::set1(32));
+    const typename V::I lo = V::and_(V::srl32(sl, 4 * j), V::set1(15)), hi = V::and_(V::srl32(sh, 2 * j), V::set1(3));
+    return V::sub(V::or_(lo, V::sll32(hi, 4)), V::set1(32));
   }
 
   template <class V, int NX> static void dot_v(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
