@@ -4,8 +4,10 @@ llama.cpp commit and settings: they should agree within a few percent), in N swe
 Each sweep is `moebench sweep -m preset:small -e llama-bench,llama-cpp --n-cpu-moe 0,all -w pp256,tg32 -r 6
 --rounds 3 --threads 2` in one round order (interleaved: every cell's round r before any cell's round r+1;
 back-to-back: each cell's rounds in a row, the order before). Prints, per sweep, the llama-bench / llama-cpp ratio
-of median tok/s for each of the 4 cells, the spread between rounds vs within a process, the load average before
-the sweep, and a verdict: every ratio within --tolerance (5 %) of 1.0 in every sweep.
+for each of the 4 cells (the ratio every table prints, harness.stats.ratio_interval's centre: the geometric mean of
+the paired round ratios when interleaved, the ratio of the rounds' geometric means when back-to-back), the spread
+between rounds vs within a process, the load average before the sweep, and a verdict: every ratio within
+--tolerance (5 %) of 1.0 in every sweep.
 
     .venv/bin/moebench tools build-llama-bench             # once
     .venv/bin/python benchmarks/rounds_fairness.py --order interleaved
@@ -80,14 +82,18 @@ def sweep(args, order: str) -> tuple[Path, dict]:
 
 
 def ratios(run_dir: Path) -> dict:
-    """{(n_cpu_moe label, workload): llama-bench / llama-cpp median tok/s} plus the run's spread figures."""
+    """{(n_cpu_moe label, workload): llama-bench / llama-cpp as every table prints it} plus the run's spread
+    figures."""
+    from harness.analysis.report import Intervals
+
     run, cells, meas, _ = results.load_frames(run_dir)
     s = results.summarize(cells, meas)
     bad = s[s["status"] != "ok"]
     if not bad.empty:
         sys.exit(f"{run_dir}: failed cells: {bad[['engine', 'n_cpu_moe', 'error']].to_dict('records')}")
-    med = s.set_index(["engine", "depth", "workload"])["tps_median"]
-    out = {(d, w): med[(A, d, w)] / med[(B, d, w)] for d in ("0", "all") for w in ("pp256", "tg32")}
+    interval = Intervals(cells, meas, [run])           # paired or not as run.json's round order says
+    out = {(str(r["depth"]), r["workload"]): interval(A, B, r["n_cpu_moe"], r["workload"]).ratio
+           for r in s.to_dict("records") if r["engine"] == A}
     return {"run": run["run_id"], "order": (run.get("rounds") or {}).get("order", "?"), "ratios": out,
             "cv_rounds": float(s["tps_cv_rounds"].median()), "cv_within": float(s["tps_cv_within"].median()),
             "speed": results.round_speed(meas)}
@@ -95,7 +101,7 @@ def ratios(run_dir: Path) -> dict:
 
 def table(rows: list[dict], tolerance: float) -> bool:
     cols = [(d, w) for d in ("0", "all") for w in ("pp256", "tg32")]
-    print(f"\nllama-bench / llama-cpp, median tok/s per cell ({rows[0]['order']} rounds)")
+    print(f"\nllama-bench / llama-cpp per cell, centre of the 95% interval ({rows[0]['order']} rounds)")
     print(f"{'run':>3} {'order':>12} " + " ".join(f"{w + '@' + d:>10}" for d, w in cols)
           + f" {'cv% rounds':>10} {'cv% proc':>8} {'load':>5} {'others%':>7} {'steal%':>6}  speed by round  verdict")
     ok_all = True

@@ -140,6 +140,37 @@ class Engine(ABC):
         pass
 
 
+# --- what the arithmetic and the weights really were (EngineInfo.settings) -----------------------------------------
+# settings["compute_dtype"] = {"prefill": X, "decode": Y}: the arithmetic of the products with weight matrices in that
+# phase, one word per kind, several joined by "+" (sorted) when the phase's tensors differ. A word names the format the
+# activations are rounded to before they meet the weights: the float formats by name, ggml's 8-bit blocks (Q8_0, Q8_1,
+# Q8_K: int8 dot products, AMX int8 tiles included) as "q8-activations". settings["weights"]: one of WEIGHTS.
+Q8_ACTIVATIONS = "q8-activations"
+ARITHMETIC = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": Q8_ACTIVATIONS, "Q8_1": Q8_ACTIVATIONS,
+              "Q8_K": Q8_ACTIVATIONS}
+WEIGHTS = ("mapped", "copy", "hugepage-copy", "mapped+repacked-copy")
+
+
+def arithmetic(activation_type: str) -> str:
+    """The compute_dtype word for products whose activations take ggml type `activation_type` (a weight type's
+    vec_dot_type: "F16", "Q8_K", ...)."""
+    if activation_type.upper() not in ARITHMETIC:
+        raise ValueError(f"no compute_dtype word for activations of type {activation_type!r}")
+    return ARITHMETIC[activation_type.upper()]
+
+
+def weight_arithmetic(weight_type: str) -> str:
+    """The word for ggml-cpu's product with a weight of ggml type `weight_type`: F32, F16 and BF16 meet activations in
+    their own format, every quantized type's vec_dot_type is one of ggml's 8-bit blocks (tests hold this rule to the
+    type traits of the libggml-cpu llama-cpp-python loads)."""
+    return arithmetic(weight_type if weight_type in ("F32", "F16", "BF16") else "Q8_0")
+
+
+def joined(words) -> str:
+    """Several compute_dtype words as one value: each once, sorted, joined by "+"."""
+    return "+".join(sorted(set(words)))
+
+
 def switch(value) -> bool:
     """An on/off engine knob as given: 0/1 (sweep lists), true/false/on/off (engine specs), bools (JSON)."""
     return str(value).strip().lower() in ("1", "true", "on", "yes")

@@ -24,9 +24,10 @@ from importlib import metadata
 from pathlib import Path
 
 from engines import ggml_build
-from engines.base import EngineInfo, EngineSettings, switch
+from engines.base import EngineInfo, EngineSettings, switch, weight_arithmetic
 from engines.external import ExternalEngine, ExternalError, tail
 from engines.gguf_meta import read_meta
+from engines.llama_cpp import compute_dtype
 
 # llama-bench's JSON field -> our settings name, for info()
 EFFECTIVE = {"n_threads": "threads", "n_batch": "n_batch", "n_ubatch": "n_ubatch", "flash_attn": "flash_attn",
@@ -218,9 +219,24 @@ class LlamaBenchEngine(ExternalEngine):
         record = self._bench(workload.n_prompt, workload.n_gen, workload.n_depth, repetitions, warmup > 0)
         return samples_ns(record, repetitions)
 
+    def known_work(self) -> dict:
+        """compute_dtype and weights (engines.base) where the probe's record tells them: llama.cpp's CPU arithmetic
+        (llama_cpp.compute_dtype with the weight-type rule: this process has not loaded the binary's ggml) when its only
+        backend was the CPU's; the weights from its load mode and --repack, and whether a weight of this file
+        goes into an extra buffer type (ggml_build.extra_buft, as `plan` predicts). Left out where not known."""
+        p, out = self.probe, {}
+        if p.get("backends") == "CPU":          # a BLAS or GPU backend takes some products its own way
+            out["compute_dtype"] = compute_dtype(self.meta, weight_arithmetic)
+        mode = str(p["load_mode"]) if "load_mode" in p else {True: "mmap", False: "none"}.get(p.get("use_mmap"), "auto")
+        if mode != "auto":                      # auto: llama.cpp decides by itself, and the record does not say
+            bufts = ggml_build.cpu_bufts() if p.get("repack", self.repack) else {}
+            repacked = any(ggml_build.extra_buft(t.name, t.ne, t.ggml_type, bufts) for t in self.meta.tensors)
+            out["weights"] = "copy" if "mmap" not in mode else "mapped+repacked-copy" if repacked else "mapped"
+        return out
+
     def info(self) -> EngineInfo:
         p, s = self.probe, self.s
-        effective = {ours: p[theirs] for theirs, ours in EFFECTIVE.items() if theirs in p}
+        effective = {ours: p[theirs] for theirs, ours in EFFECTIVE.items() if theirs in p} | self.known_work()
         effective |= {"n_ctx": "n_prompt + n_gen + n_depth of each test (llama-bench sizes it per test)",
                       "load": "inside every llama-bench run (load_s = a 1-token probe run)",
                       "binary": str(self.binary), "argv": self.flags,

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Sequence
 
 from engines import ggml_build
-from engines.base import Engine, EngineInfo, EngineSettings, expert_layer, switch
-from engines.gguf_meta import read_meta
+from engines.base import Engine, EngineInfo, EngineSettings, arithmetic, expert_layer, joined, switch
+from engines.gguf_meta import GGML_TYPES, ModelMeta, read_meta
 
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 MIB = 2**20
@@ -71,6 +71,30 @@ def amx_fallback() -> str:
     return (f"llama-cpp runs with repack=0 (no AMX, no CPU_REPACK buffers) whatever was asked: its libggml was built "
             f"by {compiler}, which miscompiles llama.cpp's AMX code, and this CPU has AMX (it would crash); "
             f"`make setup` rebuilds it with clang.")
+
+
+class _TypeTraitsCpu(ctypes.Structure):       # ggml-cpu.h struct ggml_type_traits_cpu
+    _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
+                ("nrows", ctypes.c_int64)]
+
+
+def vec_dot_types(L, weight_types) -> dict[str, str]:
+    """Each ggml weight type's vec_dot_type (the type its products convert the activations to: "F16", "Q8_K", ...) as
+    the libggml-cpu llama-cpp-python loaded defines it (ggml_get_type_traits_cpu, named by ggml_type_name); its
+    symbols resolve through libllama's dependencies, as engines.llama_cpp_routing's do."""
+    lib = L.llama_cpp._lib
+    traits, name = lib.ggml_get_type_traits_cpu, lib.ggml_type_name
+    traits.restype, traits.argtypes = ctypes.POINTER(_TypeTraitsCpu), [ctypes.c_int]
+    name.restype, name.argtypes = ctypes.c_char_p, [ctypes.c_int]
+    return {t: name(traits(GGML_TYPES[t][0]).contents.vec_dot_type).decode().upper() for t in set(weight_types)}
+
+
+def compute_dtype(meta: ModelMeta, word_of) -> dict[str, str]:
+    """settings["compute_dtype"] of ggml-cpu running this model: the words (word_of: ggml weight type -> word) of its
+    weight matrices. Prefill and decode alike: every CPU product (the llamafile GEMM, the CPU_REPACK and AMX kernels
+    included) converts the activations to the weight type's vec_dot_type, whatever the batch."""
+    words = joined(word_of(t.ggml_type) for t in meta.product_weights())
+    return {"prefill": words, "decode": words}
 
 
 def override_patterns(n_cpu_moe: int) -> list[str]:
@@ -160,6 +184,8 @@ class LlamaCppEngine(Engine):
         self.batch = L.llama_batch_init(s.n_batch, 0, 1)
         self.pos = 0
         self._load_log = "".join(_LOG)       # what llama.cpp said while loading: info() parses it
+        vec_dot = vec_dot_types(L, {t.ggml_type for t in self.meta.product_weights()})
+        self.compute_dtype = compute_dtype(self.meta, lambda t: arithmetic(vec_dot[t]))
 
     def reset(self) -> None:
         self.L.llama_memory_clear(self.mem, True)
@@ -205,6 +231,14 @@ class LlamaCppEngine(Engine):
         overridden = [name for name, _ in _OVERRIDE.findall(log)]   # as llama.cpp reports it, not as asked
         host_layers = {expert_layer(n) for n in overridden}
         s = self.s
+        extra_bufts = {k.split(":", 1)[1]: v for k, v in by_buffer.items() if k.split(":", 1)[1] in EXTRA_BUFTS}
+        # the CPU backend's: where a model buffer lies on a GPU, ggml-cuda picks its arithmetic per batch (MMQ int8 or
+        # cuBLAS) and holds copies beside the mapping, and a BLAS backend multiplies big batches in f32; nothing here
+        # reads those, so compute_dtype (and with a GPU, weights) are then left out (unknown), not guessed
+        gpu = any(k.startswith("model:") and not k.startswith(("model:CPU", "model:AMX")) for k in by_buffer)
+        weights = "copy" if not s.mmap else "mapped+repacked-copy" if any(extra_bufts.values()) else "mapped"
+        known = ({} if gpu or "BLAS" in self.system_info else {"compute_dtype": self.compute_dtype}) | \
+            ({} if gpu else {"weights": weights})
         return EngineInfo(
             engine=self.name, version=self.version(),
             settings={"n_cpu_moe": s.n_cpu_moe, "n_ctx": self.L.llama_n_ctx(self.ctx), "n_batch": s.n_batch,
@@ -212,8 +246,7 @@ class LlamaCppEngine(Engine):
                       "op_offload": bool(s.extra.get("op_offload", True)), "mmap": s.mmap,
                       "n_gpu_layers": -1, "repack": int(self.repack), "no_host": int(self.no_host),
                       "ggml_compiler": self.compiler, "system_info": self.system_info,
-                      "extra_bufts": {k.split(":", 1)[1]: v for k, v in by_buffer.items()
-                                      if k.split(":", 1)[1] in EXTRA_BUFTS},
+                      "extra_bufts": extra_bufts, **known,
                       "experts_unrepacked_bytes": self._unrepacked(_OVERRIDE.findall(log))},
             bytes_by_device=by_buffer,
             expert_bytes_host=sum(t.n_bytes for t in self.meta.tensors

@@ -135,6 +135,8 @@ class TensorSharpEngine(ExternalEngine):
         return [run_ns(r, metric, n_tokens) for r in out.runs[warmup:]]
 
     def info(self) -> EngineInfo:
+        # no compute_dtype or weights (engines.base): TensorSharp prints neither, and how its backends multiply and
+        # hold a file's weights is not readable from outside; missing, the report names them as not reported
         s = self.s
         return EngineInfo(
             engine=self.name, version=self.version(),

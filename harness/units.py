@@ -1,5 +1,5 @@
-"""Quantities as people type them: memory sizes (16GiB, 16GB, 512MiB, 1.5G (binary), or plain bytes) and
-relative amounts (5% or 0.05)."""
+"""Quantities as people type them: memory sizes (16GiB, 16GB, 512MiB, 1.5G (binary), 4096B) and relative amounts
+(5% or 0.05)."""
 from __future__ import annotations
 
 import re
@@ -14,15 +14,19 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 
 
 def parse_size(text: str | int | float, option: str = "size") -> int:
-    """'16GiB' -> 17179869184 bytes; raise UserError naming the option on anything else."""
+    """'16GiB' -> 17179869184 bytes; raise UserError naming the option on anything else. A number needs its unit
+    (16 could be bytes, MiB or GiB; B for bytes), but for 0."""
     if isinstance(text, (int, float)):
         return int(text)
     m = _SIZE.fullmatch(str(text))
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _UNITS:
-        raise UserError(f"{option} {text!r} is not a size; write it like 16GiB, 16GB, 512MiB or a number of bytes.")
-    return int(float(m.group(1)) * _UNITS[unit])
-
+        raise UserError(f"{option} {text!r} is not a size; write it like 16GiB, 16GB, 512MiB or 4096B.")
+    value = float(m.group(1))
+    if not unit and value:
+        n = m.group(1)
+        raise UserError(f"{option} {n} has no unit; write {n}GiB, {n}GB or {value * 1024:g}MiB ({n}B for bytes).")
+    return int(value * _UNITS[unit])
 
 
 def parse_fraction(text: str, option: str) -> float:

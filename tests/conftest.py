@@ -113,9 +113,11 @@ def for_each(fn, calls: dict, **kwargs) -> dict:
     return {key: fn(*args, **kwargs) for key, args in calls.items()}
 
 
-def llama_cpp_logits(path, tokens: list[int], repack: bool = True, **params) -> np.ndarray:
+def llama_cpp_logits(path, tokens: list[int], repack: bool = True, last_only: bool = False, **params) -> np.ndarray:
     """llama.cpp's logits at every position of tokens, (n, V) float32; params: llama_cpp.Llama's; repack=False: without
-    its extra buffer types (AMX, CPU_REPACK), so its products run ggml's generic CPU kernels. Run it isolated()."""
+    its extra buffer types (AMX, CPU_REPACK), so its products run ggml's generic CPU kernels. last_only: the last
+    token's only, (V,), as a benchmark's prefill asks for them (its graph then keeps only that row from the last
+    layer's attention on: inp_out_ids). Run it isolated()."""
     import llama_cpp
 
     if not repack:      # Llama() has no knob for it; its model params start from this function (in this child only)
@@ -127,9 +129,10 @@ def llama_cpp_logits(path, tokens: list[int], repack: bool = True, **params) -> 
             return p
         llama_cpp.llama_cpp.llama_model_default_params = plain
 
-    llm = llama_cpp.Llama(model_path=str(path), logits_all=True, verbose=False, **params)
+    llm = llama_cpp.Llama(model_path=str(path), logits_all=not last_only, verbose=False, **params)
     llm.eval(tokens)
-    out = np.array(llm.scores[:len(tokens)], dtype=np.float32)
+    out = (np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy() if last_only
+           else np.array(llm.scores[:len(tokens)], dtype=np.float32))
     llm.close()
     return out
 

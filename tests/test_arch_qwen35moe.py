@@ -106,7 +106,7 @@ def test_iq4_xs_top1_matches_llama_cpp_where_clear(files, llama, depth):
     """The real model's expert format (IQ4_XS; output Q6_K): the same top-1 wherever llama.cpp's own
     top-1/top-2 gap exceeds CLEAR_MARGIN (see there: near-tied routers can pick other experts), logits close on
     the whole. Ubatches of 32 keep
-    prefill products on the int8 rows kernel (more rows: bf16 GEMM on AVX512 CPUs)."""
+    prefill products on the int8 rows kernel with dtype bf16 too (more rows: its GEMM on AVX512 CPUs)."""
     ref_prompt, gen, ref_steps = llama["iq4_xs"]
     prompt, steps = reference_run(files["iq4_xs"], depth, gen, n_ubatch=32)
     got, ref = np.concatenate((prompt, steps)), np.concatenate((ref_prompt, ref_steps))

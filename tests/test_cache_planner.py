@@ -156,7 +156,7 @@ def test_cache_command_end_to_end(tmp_path):
     run = tmp_path / "run"
     save_trace(run / "traces" / "cell.npz", trace)
     out = tmp_path / "out.json"
-    res = CliRunner().invoke(cli, ["cache", str(run), "--vram", "2,4", "--format", "json", "-o", str(out),
+    res = CliRunner().invoke(cli, ["cache", str(run), "--vram", "2MiB,4MiB", "--format", "json", "-o", str(out),
                                    "--report", str(tmp_path / "rep")])
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
@@ -164,7 +164,7 @@ def test_cache_command_end_to_end(tmp_path):
     assert {r["policy"] for r in rows} >= {"none", "lru", "classlru", "belady", "static-oracle"}
     assert (tmp_path / "rep" / "cache.md").exists() and (tmp_path / "rep" / "cache.html").exists()
     assert list((tmp_path / "rep").glob("*.png"))
-    seg = CliRunner().invoke(cli, ["cache", str(run), "--vram", "2", "--segment", "s0,nope"])     # a comma list
+    seg = CliRunner().invoke(cli, ["cache", str(run), "--vram", "2MiB", "--segment", "s0,nope"])     # a comma list
     assert seg.exit_code == 2 and "no segment 'nope'" in seg.output
-    bad = CliRunner().invoke(cli, ["cache", str(tmp_path / "nothing"), "--vram", "1"])
+    bad = CliRunner().invoke(cli, ["cache", str(tmp_path / "nothing"), "--vram", "1MiB"])
     assert bad.exit_code == 2 and "error:" in bad.output

@@ -98,3 +98,16 @@ def test_a_sweep_whose_every_cell_failed_says_so_and_exits_1(tiny, tmp_path):
         assert [c["status"] for c in csv.DictReader((run / "cells.csv").open())] == ["failed", "failed"]
     r = moebench("sweep", "--resume", run)
     assert r.returncode == 0 and "every cell" not in r.stderr, r.stderr
+
+
+def test_threads_0_and_sizes_without_a_unit_are_errors(tiny, tmp_path):
+    """--threads 0 once meant all cores; a size without a unit (--vram 16) once meant bytes (or MiB in `cache`)."""
+    sweep = lambda *a: moebench("sweep", "-m", tiny, "-w", "pp8", "-r", "1", "--results-dir", tmp_path, *a)
+    one_sentence_error(sweep("-e", "llama-cpp", "--threads", "0"), "--threads 0 must be at least 1; leave --threads")
+    one_sentence_error(sweep("-e", "reference", "--cpu-moe-threads", "0"), "--cpu-moe-threads 0 must be at least 1")
+    one_sentence_error(moebench("recommend", "-m", tiny, "--vram", "16", "--ram", "64GiB"),
+                       "--vram 16 has no unit; write 16GiB, 16GB or 16384MiB")
+    one_sentence_error(moebench("recommend", "-m", tiny, "--vram", "16GiB", "--ram", "64"),
+                       "--ram 64 has no unit; write 64GiB, 64GB or 65536MiB")
+    one_sentence_error(moebench("cache", tmp_path, "--vram", "256MiB,1024"), "--vram 1024 has no unit")
+    assert not list(tmp_path.glob("*/cells.csv"))    # nothing ran

@@ -19,9 +19,10 @@ FP = "f00dfeedf00dfeed"
 
 
 def make_run(root: Path, run_id: str, cells: list[dict], started: str = "2026-01-01T00:00:00+00:00",
-             index: bool = False, workloads: list[str] | None = None) -> Path:
+             index: bool = False, workloads: list[str] | None = None, rounds: int = 1) -> Path:
     """A run directory with exact numbers. cells: dicts with engine, n_cpu_moe, workload -> tok/s values
-    (`values`), optional threads, status, arm ("A"/"B" makes it an interleaved run)."""
+    (`values`), optional threads, status, arm ("A"/"B" makes it an interleaved run). rounds > 1: value i was
+    measured in round i % rounds + 1 (one process each); 1: no `round` column, as runs written before rounds."""
     d = root / run_id
     d.mkdir(parents=True)
     arms = {c.get("arm", "") for c in cells} - {""}
@@ -43,7 +44,7 @@ def make_run(root: Path, run_id: str, cells: list[dict], started: str = "2026-01
         for wl, values in c["values"].items():
             n_tokens = int(wl[2:])
             meas += [common | {"workload": wl, "rep": i, "tokens_per_s": v, "ns": int(n_tokens / v * 1e9)}
-                     for i, v in enumerate(values)]
+                     | ({"round": i % rounds + 1} if rounds > 1 else {}) for i, v in enumerate(values)]
     results.append_rows(d, "cells.csv", cell_rows)
     if meas:
         results.append_rows(d, "measurements.csv", meas)
@@ -62,20 +63,28 @@ def run_cli(*args):
 
 # --- statistics on synthetic samples with known distributions -----------------------------------------
 
-def one(values) -> dict:
-    """Samples of one process (the repetitions are the units)."""
-    return {"run/1": list(values)}
+def procs(values, k: int = 5) -> dict:
+    """Samples measured in k processes (rounds of separate runs: the units), value i in process i % k."""
+    values = list(values)
+    return {f"run/{p + 1}": values[p::k] for p in range(k)}
+
+
+def sim(rng, center: float, k: int = 5, reps: int = 2, process: float = 0.02, noise: float = 0.03) -> dict:
+    """k processes of `reps` repetitions: each process at its own speed (two of one build differ by ~2 %)."""
+    return {f"run/{p + 1}": list(center * (1 + rng.normal(0, process)) * (1 + noise * rng.standard_normal(reps)))
+            for p in range(k)}
 
 
 def test_detection_rates_10pct_slowdown_and_identical():
-    """10 reps, 3% noise, 200 seeded trials: a 10% slowdown is flagged >= 95%, no change <= 2%."""
+    """5 processes of 2 reps a side (2 % between processes, 3 % within), 200 seeded trials: a 10% slowdown is
+    flagged >= 95%, no change <= 2%."""
     rng = np.random.default_rng(20260101)
-    trials, n, noise = 200, 10, 0.03
+    trials = 200
     slow = same = 0
     for _ in range(trials):
-        base = one(100 * (1 + noise * rng.standard_normal(n)))
-        slow += compare_samples(base, one(90 * (1 + noise * rng.standard_normal(n)))).verdict == "regression"
-        same += compare_samples(base, one(100 * (1 + noise * rng.standard_normal(n)))).verdict != "no change"
+        base = sim(rng, 100)
+        slow += compare_samples(base, sim(rng, 90)).verdict == "regression"
+        same += compare_samples(base, sim(rng, 100)).verdict != "no change"
     print(f"\n10% slowdown flagged in {slow}/{trials} = {slow / trials:.1%}; "
           f"identical distributions flagged in {same}/{trials} = {same / trials:.1%} (95% interval, threshold 5%)")
     assert slow / trials >= 0.95
@@ -85,8 +94,8 @@ def test_detection_rates_10pct_slowdown_and_identical():
 def test_small_real_change_is_not_a_regression():
     """Significant but below the threshold (asv rule): 2% slower with tiny noise is 'no change'."""
     rng = np.random.default_rng(3)
-    r = compare_samples(one(100 * (1 + 0.002 * rng.standard_normal(20))),
-                        one(98 * (1 + 0.002 * rng.standard_normal(20))))
+    r = compare_samples(procs(100 * (1 + 0.002 * rng.standard_normal(20))),
+                        procs(98 * (1 + 0.002 * rng.standard_normal(20))))
     assert r.ci_high < 0.99 and r.verdict == "no change"
 
 
@@ -94,17 +103,20 @@ def test_time_metric_direction():
     """--metric ns: lower is better, so more time is the regression and less time the improvement."""
     rng = np.random.default_rng(5)
     base = 1e6 * (1 + 0.01 * rng.standard_normal(10))
-    assert compare_samples(one(base), one(base * 1.2), higher_is_better=False).verdict == "regression"
-    assert compare_samples(one(base), one(base * 0.8), higher_is_better=False).verdict == "improvement"
-    assert compare_samples(one(base), one(base * 1.2), higher_is_better=True).verdict == "improvement"
+    assert compare_samples(procs(base), procs(base * 1.2), higher_is_better=False).verdict == "regression"
+    assert compare_samples(procs(base), procs(base * 0.8), higher_is_better=False).verdict == "improvement"
+    assert compare_samples(procs(base), procs(base * 1.2), higher_is_better=True).verdict == "improvement"
 
 
-def test_too_few_samples_is_insufficient_data():
-    """One sample a side gives no interval: said, not 'no change'; two a side do (a wide one)."""
-    r = compare_samples(one([100]), one([50]))
-    assert r.verdict == "insufficient data" and "-r 2" in r.note and r.ratio == pytest.approx(0.5)
-    r = compare_samples(one([100, 101]), one([50, 51]))
-    assert r.verdict == "regression" and r.over == "2 repetitions" and r.ci_low < r.ratio < r.ci_high
+def test_one_process_a_side_is_insufficient_data():
+    """One process a side gives no interval, however many repetitions it has (they see none of the difference
+    between processes): said, with what would give one, not 'no change'; two processes a side do (a wide one)."""
+    for base, cand in (([100], [50]), (noisy(100), noisy(50, seed=1))):
+        r = compare_samples(procs(base, 1), procs(cand, 1))
+        assert r.verdict == "insufficient data" and r.over == "1 process" and "--rounds 3 or more" in r.note
+        assert r.ratio == pytest.approx(math.exp(np.log(cand).mean() - np.log(base).mean()))
+    r = compare_samples(procs([100, 101], 2), procs([50, 51], 2))
+    assert r.verdict == "regression" and r.over == "2 rounds" and r.ci_low < r.ratio < r.ci_high
 
 
 def test_rounds_are_the_units_and_pair_within_a_run():
@@ -120,10 +132,11 @@ def test_rounds_are_the_units_and_pair_within_a_run():
     assert unpaired.verdict == "no change" and unpaired.ci_low < 0.9 < 1 < unpaired.ci_high
 
 
-def test_interval_is_deterministic_and_covers_the_ratio():
-    a, b = (compare_samples(one(noisy(100)), one(noisy(80, seed=1))) for _ in range(2))
+def test_interval_is_deterministic_and_centred_on_the_ratio():
+    a, b = (compare_samples(procs(noisy(100)), procs(noisy(80, seed=1))) for _ in range(2))
     assert (a.ci_low, a.ci_high) == (b.ci_low, b.ci_high)
-    assert a.ci_low < a.ratio < a.ci_high and 0.75 < a.ci_low and a.ci_high < 0.85
+    assert a.ratio == pytest.approx(math.sqrt(a.ci_low * a.ci_high)) and 0.75 < a.ci_low and a.ci_high < 0.85
+    assert a.median_ratio == pytest.approx(np.median(noisy(80, seed=1)) / np.median(noisy(100)))
 
 
 # --- verdicts, matching and exit codes on constructed runs -----------------------------------------------
@@ -134,13 +147,13 @@ def pair(tmp_path):
         {"engine": "llama-cpp", "n_cpu_moe": 0, "values": {"pp512": noisy(100, seed=1), "tg128": noisy(50, seed=2)}},
         {"engine": "llama-cpp", "n_cpu_moe": 4, "values": {"pp512": noisy(60, seed=3), "tg128": noisy(30, seed=4)}},
         {"engine": "reference", "n_cpu_moe": 0, "values": {"pp512": noisy(10, seed=5)}},
-    ])
+    ], rounds=5)
     cand = make_run(tmp_path, "cand", [
         # depth 0 regresses in prefill, depth 4 does not: two rows, never one average
         {"engine": "llama-cpp", "n_cpu_moe": 0, "values": {"pp512": noisy(80, seed=6), "tg128": noisy(60, seed=7)}},
         {"engine": "llama-cpp", "n_cpu_moe": 4, "values": {"pp512": noisy(60, seed=8), "tg128": noisy(30, seed=9)}},
         {"engine": "llama-cpp", "n_cpu_moe": 8, "values": {"pp512": noisy(40, seed=10)}},     # only in candidate
-    ])
+    ], rounds=5)
     return base, cand
 
 
@@ -153,8 +166,11 @@ def test_verdicts_per_cell_summary_and_unmatched(pair, tmp_path):
     assert verdicts == {("0", "pp512"): "regression", ("0", "tg128"): "improvement",
                         ("4", "pp512"): "no change", ("4", "tg128"): "no change"}
     cell = next(c for c in out["cells"] if c["n_cpu_moe"] == "0" and c["workload"] == "pp512")
-    assert cell["ratio"] == pytest.approx(np.median(noisy(80, seed=6)) / np.median(noisy(100, seed=1)))
-    assert cell["ci_high"] < 0.85 and cell["over"] == "10 repetitions" and cell["n_base"] == cell["n_cand"] == 10
+    assert cell["median_ratio"] == pytest.approx(np.median(noisy(80, seed=6)) / np.median(noisy(100, seed=1)))
+    by_round = lambda v: [np.log(v[r::5]).mean() for r in range(5)]     # make_run: value i in round i % 5 + 1
+    assert cell["ratio"] == pytest.approx(math.exp(np.mean(by_round(noisy(80, seed=6)))
+                                                   - np.mean(by_round(noisy(100, seed=1)))))
+    assert cell["ci_high"] < 0.85 and cell["over"] == "5 rounds" and cell["n_base"] == cell["n_cand"] == 10
     pp = next(s for s in out["summary"] if s["workload"] == "pp512")
     ratios = [c["ratio"] for c in out["cells"] if c["workload"] == "pp512"]
     assert pp["geomean ratio"] == pytest.approx(math.sqrt(ratios[0] * ratios[1])) and pp["regression"] == 1
@@ -188,10 +204,14 @@ def test_failed_candidate_cell_fails_the_check(tmp_path):
 
 
 def test_insufficient_data_is_said_plainly(tmp_path):
-    base = make_run(tmp_path, "b", [{"engine": "e", "n_cpu_moe": 0, "values": {"pp64": noisy(100, 1)}}])
-    cand = make_run(tmp_path, "c", [{"engine": "e", "n_cpu_moe": 0, "values": {"pp64": noisy(50, 1, 1)}}])
-    r = run_cli("compare", base, cand, "--fail-on-regression")
-    assert r.exit_code == 0 and "insufficient data" in r.output and "-r 2" in r.output
+    """Single-process runs (--rounds 1): no verdict, and why; a CI gate that could judge no cell says so (exit 2)
+    instead of passing every build."""
+    base = make_run(tmp_path, "b", [{"engine": "e", "n_cpu_moe": 0, "values": {"pp64": noisy(100)}}])
+    cand = make_run(tmp_path, "c", [{"engine": "e", "n_cpu_moe": 0, "values": {"pp64": noisy(50, seed=1)}}])
+    r = moebench("compare", base, cand)
+    assert r.returncode == 0 and "insufficient data" in r.stdout and "--rounds 3 or more" in r.stderr
+    r = moebench("compare", base, cand, "--fail-on-regression")
+    assert r.returncode == 2 and "--fail-on-regression judged no cell" in r.stderr and "--rounds 3" in r.stderr
 
 
 def test_bad_input_exits_2_with_one_sentence(pair, tmp_path):
@@ -219,12 +239,13 @@ def test_bad_input_exits_2_with_one_sentence(pair, tmp_path):
 def test_interleaved_arms_split_and_match_across_what_differs(tmp_path):
     run = make_run(tmp_path, "ab", [
         {"engine": "llama-cpp", "n_cpu_moe": 0, "arm": "A", "values": {"pp64": noisy(100)}},
-        {"engine": "llama-cpp", "n_cpu_moe": 0, "arm": "B", "threads": 1, "values": {"pp64": noisy(70, seed=2)}}])
+        {"engine": "llama-cpp", "n_cpu_moe": 0, "arm": "B", "threads": 1, "values": {"pp64": noisy(70, seed=2)}}],
+        rounds=5)
     r = run_cli("compare", f"{run}:A", f"{run}:B", "--format", "json", "--fail-on-regression")
     assert r.exit_code == 1
     out = json.loads(r.stdout)
     cells = out["cells"]
-    assert len(cells) == 1 and cells[0]["verdict"] == "regression"
+    assert len(cells) == 1 and cells[0]["verdict"] == "regression" and cells[0]["over"] == "5 rounds (paired)"
     # what a CI job reads: the decision and the interval behind it
     assert out["decision"]["fail"] is True
     (bad,) = out["decision"]["failing_cells"]
@@ -237,9 +258,9 @@ def test_history_selectors(tmp_path):
     for i in range(6):
         make_run(res, f"r{i}", [{"engine": "e", "n_cpu_moe": 0,
                                  "values": {"pp64": noisy(1000 if i == 0 else 100 + i, seed=i)}}],
-                 started=f"2026-01-0{i + 1}T00:00:00+00:00", index=True)
+                 started=f"2026-01-0{i + 1}T00:00:00+00:00", index=True, rounds=5)
     cand = make_run(res, "cand", [{"engine": "e", "n_cpu_moe": 0, "values": {"pp64": noisy(80, seed=9)}}],
-                    started="2026-02-01T00:00:00+00:00", index=True)
+                    started="2026-02-01T00:00:00+00:00", index=True, rounds=5)
     get = lambda sel: json.loads(run_cli("compare", sel, cand, "--results-dir", res, "--format",
                                          "json").stdout)["cells"][0]
     latest = get("history:latest")                   # r5, not the candidate's own run
@@ -255,12 +276,13 @@ def test_history_selectors(tmp_path):
 
 def test_real_sweeps_slower_candidate_is_flagged(tiny, tmp_path):
     """Baseline n_ubatch 512 vs candidate n_ubatch 16 (prefill in 16-token chunks: a real ~5x slowdown on
-    this machine, independent of how loaded it is). n_ubatch is part of the cell key, so the comparison
-    says --ignore n_ubatch on purpose; without it nothing matches and compare says why (exit 2)."""
+    this machine, independent of how loaded it is), 3 rounds each (one process a side gives no verdict).
+    n_ubatch is part of the cell key, so the comparison says --ignore n_ubatch on purpose; without it nothing
+    matches and compare says why (exit 2)."""
     runs = []
     for ub in (512, 16):
-        r = moebench("sweep", "-m", tiny, "-e", "llama-cpp", "-w", "pp256", "-r", "8", "--threads", "1",
-                     "--n-ubatch", ub, "--sample-ms", "0", "--results-dir", tmp_path)
+        r = moebench("sweep", "-m", tiny, "-e", "llama-cpp", "-w", "pp256", "-r", "8", "--rounds", "3",
+                     "--threads", "1", "--n-ubatch", ub, "--sample-ms", "0", "--results-dir", tmp_path)
         assert r.returncode == 0, r.stderr
         runs.append(r.stderr.split("results: ")[-1].strip())
     r = moebench("compare", *runs, "--fail-on-regression", "--format", "json")
@@ -271,7 +293,7 @@ def test_real_sweeps_slower_candidate_is_flagged(tiny, tmp_path):
     print(f"\nn_ubatch 512 -> 16, pp256: ratio {cell['ratio']:.3f} (95% CI "
           f"{cell['ci_low']:.3f}-{cell['ci_high']:.3f}), "
           f"over {cell['over']}: {cell['verdict']}")
-    assert cell["verdict"] == "regression" and cell["ratio"] < 0.95
+    assert cell["verdict"] == "regression" and cell["ratio"] < 0.95 and cell["over"] == "3 rounds"
     # both sweeps were indexed on the way: the history baseline finds the first one
     r = moebench("compare", "history:latest", runs[0], "--results-dir", tmp_path, "--ignore", "n_ubatch",
                  "--format", "json")
@@ -292,6 +314,7 @@ def test_example_ci_script_fails_the_job_on_regression(tiny, tmp_path):
     assert any(s.get("run") == "cand/examples/ci/perf-check.sh" for s in steps)
     env = os.environ | {"PYTHON": sys.executable, "MODEL": str(tiny), "WORKLOADS": "pp256", "REPS": "8",
                         "THREADS": "1", "CAND_ARGS": "--n-ubatch 16", "COMPARE_ARGS": "--ignore n_ubatch",
+                        "ROUNDS": "3",
                         "RESULTS": str(tmp_path)}
     r = subprocess.run(["bash", root / "examples/ci/perf-check.sh"], cwd=root, env=env, capture_output=True,
                        text=True, timeout=300)

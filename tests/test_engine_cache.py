@@ -199,3 +199,40 @@ def test_cuda_cache_counts_the_replay_and_keeps_logits_close(tiny, tmp_path, mib
     assert extra["bytes_by_device"].get("accelerator", 0) >= extra["cache_slot_bytes"] > 0
     assert counters(extra) == replay(load_trace(trace), "lru", extra["cache_capacity"])
     assert all(torch.allclose(a.float().cpu(), b, atol=2e-2) for a, b in zip(out, base))
+
+
+def test_sweep_refuses_a_static_trace_of_the_stream_it_times(tiny, tmp_path):
+    """--cache-policy static pins the experts a trace used most: a trace recorded on the tokens the sweep is about to
+    time (the same --seed and stream) is refused before anything runs; one of another seed is taken."""
+    from engines.gguf_meta import read_meta
+    from harness.run.spec import SweepSpec, expand
+
+    n_vocab, path = read_meta(tiny).n_vocab, tmp_path / "t.npz"
+    e = ReferenceEngine()
+    e.load(tiny, EngineSettings(n_cpu_moe=4, n_ctx=64, n_ubatch=16, threads=2, device="cpu",
+                                extra={"trace_routing": str(path)}))
+    for name in ("tg4@d8", "pp16+corr"):          # each workload's first run as the worker drives it, at --seed 0
+        w = parse_workload(name)
+        depth, timed = workload_tokens(w, n_vocab, 0, tiny)
+        e.trace_segment(name, depth + timed, w.stream)
+        e.reset()
+        e.prefill(depth)
+        if w.n_prompt:
+            e.prefill(timed)
+        for t in [] if w.n_prompt else timed:
+            e.decode(t)
+        e.trace_segment(None)
+    e.close()
+
+    def spec(seed: int, workloads: list[str], policy: str = "static") -> SweepSpec:
+        return SweepSpec(models=[str(tiny)], engines=["reference"], depths=["all"], workloads=workloads, seed=seed,
+                         extra={"cache_static_trace": str(path)}, knobs={"cache_mib": ["1"], "cache_policy": [policy]})
+
+    for workloads in (["tg4@d8"], ["pp32+corr"]):
+        with pytest.raises(UserError, match="recorded on the token stream this sweep times.*--seed 1"):
+            expand(spec(0, workloads))
+    assert expand(spec(1, ["tg4@d8", "pp32+corr"])) and expand(spec(0, ["tg4@d8"], "lru"))
+    r = conftest.moebench("sweep", "-m", tiny, "-e", "reference", "--n-cpu-moe", "all", "-w", "tg4", "--cache-mib", "1",
+                          "--cache-policy", "lru,static", "--cache-static-trace", path, "--results-dir", tmp_path)
+    assert r.returncode == 2 and "record the trace with another --seed" in r.stderr and "Traceback" not in r.stderr
+    assert not list(tmp_path.glob("*/cells.csv"))

@@ -328,7 +328,7 @@ def test_reference_cuda_bytes_match_plan_and_the_allocator(gpu_model, depth):
     held, info = e.info().extra["held_bytes"], e.info()
     close(e)
     d = make_plan(read_meta(gpu_model), PlanSettings(engine="reference", n_ctx=300, device="cuda")).at(depth)
-    assert info.settings["device"].startswith("cuda") and info.extra["compute_dtype"] == "f16"
+    assert info.settings["device"].startswith("cuda") and info.settings["dtype"] == "f16"
     assert held["experts"].get("host", 0) == pytest.approx(d.expert_host_bytes, rel=0.02)
     assert held["experts"].get("accelerator", 0) == pytest.approx(d.expert_accel_bytes, rel=0.02)
     assert held["non_experts"]["accelerator"] == pytest.approx(d.non_expert_bytes, rel=0.02)

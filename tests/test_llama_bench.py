@@ -110,6 +110,32 @@ def test_repack_and_no_host_reach_the_binary_as_its_flags(tiny, tmp_path):
     assert [e["argv"][-4:] for e in eff] == [["--repack", "0", "--no-host", "1"], ["--repack", "1", "--no-host", "1"]]
 
 
+def test_compute_dtype_and_weights_where_the_record_tells_them(tmp_path):
+    """llama-bench's record says which backends ran, its load mode and --repack: with only the CPU backend its
+    compute_dtype is the llama-cpp engine's on the same file (read from the library's type traits there), its
+    weights follow the load mode and whether this file has weights an extra buffer type takes (Q4_0: CPU_REPACK);
+    what the record does not tell (the stand-in's record, a GPU backend, load mode auto) is left out."""
+    from engines.base import EngineSettings
+    from engines.gguf_meta import read_meta
+    from workloads.synth import PRESETS, preset, synthesize
+    from tests import conftest
+
+    path = synthesize(preset(PRESETS["tiny"], dtype="q4_0"), tmp_path / "q4_0.gguf")
+    cpp, _ = conftest.isolated(conftest.llama_cpp_load, path, EngineSettings(n_ctx=64, threads=2))
+    e = LlamaBenchEngine()
+    e.s, e.meta, e.repack = EngineSettings(), read_meta(path), True
+    cases = [({"backends": "CPU", "load_mode": "mmap", "repack": True}, "mapped+repacked-copy"),
+             ({"backends": "CPU", "load_mode": "mmap", "repack": False}, "mapped"),
+             ({"backends": "CPU", "use_mmap": False}, "copy")]          # an older build's field
+    for record, weights in cases:
+        e.probe = record
+        assert e.known_work() == {"compute_dtype": cpp.settings["compute_dtype"], "weights": weights}, record
+    assert cpp.settings["weights"] == "mapped+repacked-copy"
+    for record in ({}, {"backends": "CUDA", "load_mode": "auto"}):
+        e.probe = record
+        assert e.known_work() == {}, record
+
+
 def test_missing_binary_is_a_failed_cell_and_the_sweep_goes_on(tiny, tmp_path):
     r = moebench("sweep", "-m", tiny, "-e", "llama-bench,llama-cpp", "--llama-bench", tmp_path / "nope" / "llama-bench",
                  "-w", "pp16", "-r", "1", "--threads", "2", "--results-dir", tmp_path)

@@ -27,22 +27,36 @@ def test_plan_arithmetic_on_tiny_by_hand(tiny):
         assert d.expert_host_bytes == n * EXPERTS_PER_LAYER
         assert d.expert_accel_bytes == (4 - n) * EXPERTS_PER_LAYER
         assert d.kv_bytes == 512 * 4 * 2 * (32 + 32) * 2        # cells x layers x kv heads x (K+V) x f16
-        assert d.accel_bytes == NON_EXPERT + (4 - n) * EXPERTS_PER_LAYER + d.kv_bytes + d.compute_bytes
+        # CPU-only: no accelerator; f32 weights take no extra buffer type, so every weight stays in the mapping
+        # (file-backed) and the RAM llama.cpp needs is its KV cache and compute buffer
+        assert d.accel_bytes == 0 and d.mapped_bytes == NON_EXPERT + 4 * EXPERTS_PER_LAYER
+        assert d.host_bytes == d.kv_bytes + d.compute_bytes
+    unmapped = make_plan(meta, PlanSettings(engine="llama-cpp", n_ctx=300, device="cpu", mmap=False)).at(2)
+    assert unmapped.mapped_bytes == 0                           # read into its CPU buffer: anonymous
+    assert unmapped.host_bytes == NON_EXPERT + 4 * EXPERTS_PER_LAYER + unmapped.kv_bytes + unmapped.compute_bytes
     # on CUDA llama.cpp keeps the token embedding in host RAM, and a batch of >= 32 tokens copies an offloaded
     # layer's experts into the GPU compute buffer (op offload)
     g = make_plan(meta, PlanSettings(engine="llama-cpp", n_ctx=300, device="cuda"))
     embed = 1024 * 128 * 4
     for n in range(5):
         assert g.at(n).non_expert_bytes == NON_EXPERT - embed and g.at(n).host_bytes == n * EXPERTS_PER_LAYER + embed
+        assert g.at(n).accel_bytes == NON_EXPERT - embed + (4 - n) * EXPERTS_PER_LAYER + g.at(n).kv_bytes + \
+            g.at(n).compute_bytes and g.at(n).mapped_bytes == 0      # host weights: page-locked copies
         assert g.at(n).compute_bytes == p.at(n).compute_bytes + (EXPERTS_PER_LAYER if n else 0)
     # the reference engine: f32 file -> f32 compute, f16 KV (as llama.cpp's) without padding, no staging on the
     # CPU, two staging layers on CUDA
     r = make_plan(meta, PlanSettings(engine="reference", n_ctx=300, device="cpu"))
     assert r.at(0).kv_bytes == 2 * 4 * 2 * 300 * 32 * 2
+    # its f32 matrices are all under 2 MiB and in no layout its kernels repack: they stay in the mapping; the
+    # vectors (norms, each layer's q/k norms) are f32 copies, anonymous
+    vectors = 4 * 4 * (128 + 128 + 32 + 32) + 4 * 128
+    assert r.at(2).mapped_bytes == NON_EXPERT + 4 * EXPERTS_PER_LAYER - vectors
+    assert r.at(2).host_bytes == vectors + r.at(2).kv_bytes + r.at(2).compute_bytes
     assert r.at(0).staging_bytes == r.at(3).staging_bytes == 0
     rg = make_plan(meta, PlanSettings(engine="reference", n_ctx=300, device="cuda"))
     assert rg.at(0).staging_bytes == 0 and rg.at(3).staging_bytes == 2 * EXPERTS_PER_LAYER
-    assert r.at(4).host_bytes == 4 * EXPERTS_PER_LAYER and r.at(4).expert_accel_bytes == 0
+    assert r.at(4).expert_host_bytes == 4 * EXPERTS_PER_LAYER and r.at(4).expert_accel_bytes == 0
+    assert rg.at(4).host_bytes == 4 * EXPERTS_PER_LAYER                  # on CUDA: page-locked copies
 
 
 @pytest.fixture(scope="module", params=["f16", "q4_k_m"])
@@ -88,6 +102,11 @@ def test_plan_matches_llama_cpp_buffers(mib_model, depth, mmap, repack):
                                   rel=0.02)
     assert by["kv:CPU"] == pytest.approx(d.kv_bytes, rel=0.02)
     assert by["compute:CPU"] == pytest.approx(d.compute_bytes, rel=0.10)     # an estimate: within 10%
+    # the host RAM it needs (anonymous): every buffer but the mapped file range, which is file-backed
+    assert d.mapped_bytes == pytest.approx(theirs.get("CPU_Mapped", 0), rel=0.02, abs=2**16)
+    assert (d.mapped_bytes > 0) == mmap
+    anon = sum(v for k, v in theirs.items() if k != "CPU_Mapped") + by["kv:CPU"] + by["compute:CPU"]
+    assert d.host_bytes == pytest.approx(anon, rel=0.05) and d.accel_bytes == 0
 
 
 @pytest.mark.parametrize("depth", [0, 2, 4])
@@ -138,16 +157,16 @@ def test_plan_calibrates_from_a_real_sweep(tiny, tmp_path):
     p = make_plan(meta, PlanSettings(engine="llama-cpp", n_ctx=16, device="cpu"), runs)
     assert p.calibration is not None and p.calibration.n_cells == 2
     assert p.calibration.compute_scale == pytest.approx(1.0, rel=0.05)   # llama.cpp's own compute buffer
-    for c in read_csv(runs[0],
-                      "cells.csv"):   # calibrated: the plan's total is never below a measured peak (CPU-only: RSS)
-        d = p.at(int(c["n_cpu_moe"]))
-        assert d.accel_bytes + d.host_bytes >= float(c["peak_rss_mib"]) * 2**20 - 2**20
+    assert p.calibration.peak == "peak_rss_anon_mib"
+    for c in read_csv(runs[0], "cells.csv"):   # calibrated: the host RAM planned is never below a measured peak
+        d = p.at(int(c["n_cpu_moe"]))          # (CPU-only: the anonymous RSS)
+        assert d.host_bytes >= float(c["peak_rss_anon_mib"]) * 2**20 - 2**20
     out = moebench("plan", "-m", tiny, "--ctx", "16", "--results-dir", tmp_path)
     assert out.returncode == 0 and "calibrated from 2 measured cell(s)" in out.stderr
-    js = json.loads(moebench("plan", "-m", tiny, "--ctx", "16", "--no-calibrate", "--device", "cpu",
+    js = json.loads(moebench("plan", "-m", tiny, "--ctx", "16", "--no-calibrate", "--device", "cuda",
                              "--format", "json").stdout)
     assert js["calibration"] is None
-    assert [d["host_bytes"] for d in js["depths"]] == [n * EXPERTS_PER_LAYER for n in range(5)]
+    assert [d["host_bytes"] for d in js["depths"]] == [n * EXPERTS_PER_LAYER + 1024 * 128 * 4 for n in range(5)]
 
 
 def test_plan_bad_input_is_one_sentence(tiny):
@@ -194,3 +213,37 @@ def test_llama_cpp_cpu_buffers_per_architecture(model):
     assert theirs.keys() == ours.keys()
     for k in ours:
         assert theirs[k] == pytest.approx(ours[k], rel=0.01, abs=2**16), k
+
+
+@pytest.mark.parametrize("spec", ["preset:tiny", "preset:gpt-oss-tiny:mxfp4", "preset:tiny:q4_k_m@zipf=1.2"])
+def test_a_preset_header_equals_the_synthesized_files(tmp_path, monkeypatch, spec):
+    """plan and recommend read a preset from its header alone (workloads.synth.preset_meta): the same metadata,
+    tensor table (names, shapes, types, bytes, offsets) and size as read_meta of the synthesized file, and no file
+    written; once the file exists it is read itself (its fingerprint is the one measured runs carry)."""
+    from dataclasses import asdict
+
+    from workloads.synth import cached_model, preset_meta
+
+    monkeypatch.setenv("MOEBENCH_CACHE", str(tmp_path))
+    header = preset_meta(spec)
+    assert not list(tmp_path.rglob("*"))
+    real = read_meta(cached_model(spec))
+    assert header.path == real.path and header.file_bytes == real.file_bytes and header.name == real.name
+    assert [asdict(t) for t in header.tensors] == [asdict(t) for t in real.tensors]
+    assert header.fields == real.fields and header.moe_layers == real.moe_layers
+    assert preset_meta(spec).fingerprint == real.fingerprint != header.fingerprint
+
+
+def test_plan_of_a_full_size_preset_writes_no_file(tmp_path):
+    """`plan -m preset:gpt-oss-20b` from the header alone: the 11.5 GiB file would take minutes to write."""
+    env = {"MOEBENCH_CACHE": str(tmp_path / "cache")}
+    r = moebench("plan", "-m", "preset:gpt-oss-20b", "--no-calibrate", "--format", "json", env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    js = json.loads(r.stdout)
+    per_layer = 3 * 32 * 2880 * 2880 * 17 // 32 + 3 * 32 * 2880 * 4
+    assert len(js["depths"]) == 25 and js["depths"][24]["host_bytes"] >= 24 * per_layer
+    r = moebench("recommend", "-m", "preset:gpt-oss-20b", "--vram", "64GiB", "--ram", "64GiB", "--format", "json",
+                 env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["recommended"] == 0
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]

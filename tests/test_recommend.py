@@ -15,8 +15,10 @@ from tests.conftest import moebench
 GiB = 2**30
 
 
-def make_run(run_dir, meta, cells: dict, profile=None):
-    """cells: depth -> (status, {workload: [tok/s per rep]}); llama-cpp, n_ctx 256, no memory peaks."""
+def make_run(run_dir, meta, cells: dict, profile=None, effective=None, by_device=None):
+    """cells: depth -> (status, {workload: tok/s}); llama-cpp, n_ctx 256, no memory peaks. The tok/s of a workload
+    are a list (one process: repetitions) or a list of lists (one per round, as --rounds writes them). effective /
+    by_device: the cells' effective settings and buffers (where the engine ran; default: not recorded)."""
     run_dir.mkdir(parents=True)
     (run_dir / "run.json").write_text(json.dumps({"run_id": run_dir.name, "hardware_profile": profile}))
     for n, (status, wls) in cells.items():
@@ -25,11 +27,14 @@ def make_run(run_dir, meta, cells: dict, profile=None):
             "run_id": run_dir.name, "cell_id": cid, "engine": "llama-cpp", "model": str(meta.path),
             "model_name": meta.name, "model_fingerprint": meta.fingerprint, "n_cpu_moe": n, "n_ctx": 256,
             "n_batch": 2048, "n_ubatch": 512, "threads": 2, "flash_attn": "auto", "status": status,
-            "error": "" if status == "ok" else "killed", "effective_settings": {}, "bytes_by_device": {}}])
+            "error": "" if status == "ok" else "killed", "effective_settings": effective or {},
+            "bytes_by_device": by_device or {}}])
+        rounds = {wl: vs if vs and isinstance(vs[0], list) else [vs] for wl, vs in wls.items()}
         append_rows(run_dir, "measurements.csv", [
             {"run_id": run_dir.name, "cell_id": cid, "engine": "llama-cpp", "n_cpu_moe": n, "workload": wl,
              "n_prompt": int(wl[2:]) if wl.startswith("pp") else 0, "n_gen": int(wl[2:]) if wl.startswith("tg") else 0,
-             "n_depth": 0, "rep": i, "ns": 1, "tokens_per_s": v} for wl, vs in wls.items() for i, v in enumerate(vs)])
+             "n_depth": 0, "rep": i, "ns": 1, "tokens_per_s": v, "round": k + 1 if len(rs) > 1 else ""}
+            for wl, rs in rounds.items() for k, vs in enumerate(rs) for i, v in enumerate(vs)])
     return run_dir
 
 
@@ -71,11 +76,53 @@ def test_best_measured_feasible_depth_and_predicted_ranges(meta, tmp_path):
     assert r.recommended == 2 and r.rows[2].score == pytest.approx(math.sqrt(0.6 * 1.0))
 
 
-def test_ties_go_to_the_deepest_depth(meta, tmp_path):
-    run = make_run(tmp_path / "r", meta, {0: ("ok", {"tg8": [100]}), 2: ("ok", {"tg8": [100]}),
-                                          4: ("ok", {"tg8": [50]})})
-    _, r = rec(meta, [run])
-    assert r.recommended == 2 and "ties" in r.rationale
+def test_depths_within_noise_are_ties_resolved_to_the_least_vram(meta, tmp_path):
+    """Depth 2 is 5 % slower than 0 in the medians, but three rounds this noisy cannot tell them apart (the 95 %
+    interval of their ratio holds 1): a tie, which goes to depth 2 (less VRAM). Depth 4 is clearly slower."""
+    run = make_run(tmp_path / "r", meta, {0: ("ok", {"tg8": [[100, 101], [96, 97], [104, 103]]}),
+                                          2: ("ok", {"tg8": [[94, 95], [99, 100], [92, 93]]}),
+                                          4: ("ok", {"tg8": [[50, 51], [49, 50], [51, 52]]})})
+    p, r = rec(meta, [run])
+    assert p.at(2).accel_bytes < p.at(0).accel_bytes
+    assert r.recommended == 2 and r.ties == [0, 2]
+    assert "n_cpu_moe=0 and 2 are within noise of each other" in r.rationale
+    assert "picked 2, the one needing the least VRAM" in r.rationale
+    # the same medians from quiet rounds: depth 0 is faster, no tie
+    quiet = make_run(tmp_path / "q", meta, {0: ("ok", {"tg8": [[100, 100.5], [100.2, 100], [99.8, 100]]}),
+                                            2: ("ok", {"tg8": [[95, 95.2], [95.1, 95], [94.9, 95]]})})
+    _, r = rec(meta, [quiet])
+    assert r.recommended == 0 and r.ties == [0] and "fastest measured depth" in r.rationale
+    # one sample a side gives no interval: compared by median, and the note says so
+    single = make_run(tmp_path / "s", meta, {0: ("ok", {"tg8": [100]}), 2: ("ok", {"tg8": [95]})})
+    _, r = rec(meta, [single])
+    assert r.recommended == 0 and any("too few samples for an interval" in n for n in r.notes)
+
+
+def test_ties_need_every_workload_of_the_objective_within_noise(meta, tmp_path):
+    """balanced: depth 2 ties with 0 at decode but is clearly slower at prefill, so it is no tie."""
+    noisy0, noisy2 = [[100, 101], [96, 97], [104, 103]], [[94, 95], [99, 100], [92, 93]]
+    run = make_run(tmp_path / "r", meta, {0: ("ok", {"tg8": noisy0, "pp64": [[500, 501], [499, 500], [500, 502]]}),
+                                          2: ("ok", {"tg8": noisy2, "pp64": [[400, 401], [399, 400], [401, 400]]})})
+    _, r = rec(meta, [run], objective="balanced")
+    assert r.recommended == 0 and r.ties == [0]
+    _, r = rec(meta, [run], objective="decode")
+    assert r.recommended == 2 and r.ties == [0, 2]
+
+
+@pytest.mark.parametrize("effective, by_device, refused", [
+    ({"n_cpu_moe": 0}, {"model:CPU": 1000, "model:CPU_REPACK": 10}, True),     # llama.cpp, CPU buffers only
+    ({"device": "cpu", "dtype": "float32"}, {"host": 1000}, True),             # the reference engine on the CPU
+    ({"n_cpu_moe": 0}, {"model:CUDA0": 1000, "model:CPU": 10}, False),         # llama.cpp with a GPU
+    ({"device": "cuda:0"}, {"accelerator": 1000}, False),
+])
+def test_runs_measured_without_a_gpu_are_refused_for_a_vram_plan(meta, tmp_path, effective, by_device, refused):
+    run = make_run(tmp_path / "r", meta, {0: ("ok", {"tg8": [100, 99]}), 2: ("ok", {"tg8": [60, 61]})},
+                   effective=effective, by_device=by_device)
+    if refused:
+        with pytest.raises(UserError, match="without a GPU.*measure on the GPU you plan for"):
+            rec(meta, [run])
+    else:
+        assert rec(meta, [run])[1].recommended == 0
 
 
 def test_a_failed_cell_is_shown_and_never_recommended(meta, tmp_path):
@@ -114,6 +161,9 @@ def test_cli_table_and_json_with_results(meta, tmp_path):
     assert t.returncode == 0 and "n_cpu_moe=0 is the fastest" in t.stdout
     bad = moebench("recommend", "-m", meta.path, "--vram", "lots")
     assert bad.returncode == 2 and "--vram" in bad.stderr and "Traceback" not in bad.stderr
+    for flag, value in (("--vram", "16"), ("--ram", "64"), ("--margin", "1")):
+        bare = moebench("recommend", "-m", meta.path, "--vram", "16GiB", "--ram", "64GiB", flag, value)
+        assert bare.returncode == 2 and f"error: {flag} {value} has no unit; write {value}GiB" in bare.stderr
     other = moebench("recommend", "-m", meta.path, "--vram", "16GiB", "--results", run, "--engine", "reference")
     assert other.returncode == 2 and "no reference cells" in other.stderr
 
@@ -129,9 +179,14 @@ def test_vram_defaults_to_the_gpu_or_asks_for_it(meta):
 
 def test_parse_size():
     assert parse_size("16GiB") == 16 * GiB and parse_size("16GB") == 16 * 10**9
-    assert parse_size("512MiB") == 512 * 2**20 and parse_size("1.5G") == int(1.5 * GiB) and parse_size("4096") == 4096
+    assert parse_size("512MiB") == 512 * 2**20 and parse_size("1.5G") == int(1.5 * GiB)
+    assert parse_size("4096B") == 4096 and parse_size("0") == 0
     with pytest.raises(UserError, match="--vram"):
         parse_size("16 parsecs", "--vram")
+    with pytest.raises(UserError, match="^--vram 16 has no unit; write 16GiB, 16GB or 16384MiB"):
+        parse_size("16", "--vram")
+    with pytest.raises(UserError, match="^--ram 1.5 has no unit; write 1.5GiB, 1.5GB or 1536MiB"):
+        parse_size("1.5", "--ram")
 
 
 def test_trace_adds_an_expert_cache_in_the_vram_left_free(meta, tmp_path):
@@ -154,7 +209,7 @@ def test_trace_adds_an_expert_cache_in_the_vram_left_free(meta, tmp_path):
     p, _ = rec(meta)
     cache = 3 * per_expert * L
     vram = p.at(meta.n_layers).accel_bytes + cache
-    out = moebench("recommend", "-m", meta.path, "--vram", str(vram), "--ram", "64GiB", "--ctx", "256", "--margin",
+    out = moebench("recommend", "-m", meta.path, "--vram", f"{vram}B", "--ram", "64GiB", "--ctx", "256", "--margin",
                    "0", "--trace", tmp_path / "t.npz", "--format", "json")
     assert out.returncode == 0, out.stderr
     js = json.loads(out.stdout)
@@ -164,11 +219,11 @@ def test_trace_adds_an_expert_cache_in_the_vram_left_free(meta, tmp_path):
     fits = [d["cache"] for d in js["depths"] if d["fits"]]
     assert all(d["cache"] is None for d in js["depths"] if not d["fits"])
     assert js["cache"]["pick"]["host_mb_per_token"] == min(c["host_mb_per_token"] for c in fits)
-    t = moebench("recommend", "-m", meta.path, "--vram", str(vram), "--ram", "64GiB", "--ctx", "256", "--margin", "0",
+    t = moebench("recommend", "-m", meta.path, "--vram", f"{vram}B", "--ram", "64GiB", "--ctx", "256", "--margin", "0",
                  "--trace", tmp_path / "t.npz")
     assert t.returncode == 0 and "MiB of cache" in t.stdout and "cache hit" in t.stdout
     header["fingerprint"] = "0" * 16
     save_trace(tmp_path / "other.npz", Trace(header, ids, np.ones(ids.shape, np.float16), np.arange(T, dtype=np.int32),
                                              np.arange(T, dtype=np.int32), np.ones(T, np.uint8), np.zeros(T, np.int16)))
-    bad = moebench("recommend", "-m", meta.path, "--vram", str(vram), "--trace", tmp_path / "other.npz")
+    bad = moebench("recommend", "-m", meta.path, "--vram", f"{vram}B", "--trace", tmp_path / "other.npz")
     assert bad.returncode == 2 and "another model file" in bad.stderr and "Traceback" not in bad.stderr

@@ -86,6 +86,57 @@ def test_decode_matches_prefill_logits(models):
         np.testing.assert_allclose(e.logits()[0].numpy(), full[4 + i], atol=1e-4)
 
 
+# llama.cpp 0.3.36's graphs (src/models/*.cpp): these keep only the output rows (inp_out_ids) from the last layer's
+# attention on; gemma4.cpp, openai-moe.cpp and qwen35moe.cpp keep every row through the last layer (they prune there
+# only for masked next-n embeddings) and drop rows before the output norm
+PRUNES_LAST_LAYER = {"qwen3moe": True, "qwen2moe": True, "olmoe": True, "llama": True,
+                     "gemma4-tiny": False, "gpt-oss-tiny": False, "qwen35moe-tiny": False}
+
+
+class RowsSeen:
+    """The engine's real MoE executor, noting how many rows each layer's call gets."""
+
+    def __init__(self, moe):
+        self.moe, self.rows = moe, {}
+
+    def __call__(self, il, x, ids, w):
+        self.rows.setdefault(il, []).append(x.shape[0])
+        return self.moe(il, x, ids, w)
+
+    def __getattr__(self, name):
+        return getattr(self.moe, name)
+
+
+@pytest.mark.parametrize("arch", list(PRUNES_LAST_LAYER))
+def test_the_last_layer_runs_the_rows_llama_cpp_runs(models, tmp_path, arch):
+    """40 prompt tokens in ubatches of 16, only the last token's logits wanted: where llama.cpp prunes, the last MoE
+    layer runs that one row and nothing in the earlier ubatches, elsewhere (and in every other layer) every row.
+    The logits are those of an every-position run at that position, and a decode step after the pruned prefill
+    reads the last layer's K/V of every token: the same logits as after an unpruned one. A routing trace records
+    every token's routing, so a traced run keeps every row."""
+    path = models[arch] if arch in models else synthesize(arch, tmp_path / f"{arch}.gguf")
+    prompt = [t % (PRESETS[arch].h.n_vocab if arch in PRESETS else H.n_vocab) for t in PROMPT]
+    runs = {}
+    for name, extra in {"pruned": {}, "all": {"logits_all": True},
+                        "traced": {"trace_routing": str(tmp_path / "t.npz")}}.items():
+        e = ReferenceEngine()
+        e.load(path, EngineSettings(n_ctx=64, n_ubatch=16, threads=2, extra={"cache_type": "f32"} | extra))
+        e.model.moe = spy = RowsSeen(e.model.moe)
+        e.trace_segment("pp40", prompt)
+        e.prefill(prompt)
+        e.trace_segment(None)
+        rows, last_logits = {il: r.copy() for il, r in spy.rows.items()}, e.logits()[-1].numpy()
+        e.decode(prompt[0])
+        runs[name] = (rows, last_logits, e.logits()[0].numpy())
+    rows = runs["pruned"][0]
+    last = max(rows)
+    assert all(r == [16, 16, 8] for il, r in rows.items() if il != last) and len(rows) > 1
+    assert rows[last] == ([1] if PRUNES_LAST_LAYER[arch] else [16, 16, 8])
+    assert runs["all"][0][last] == runs["traced"][0][last] == [16, 16, 8]
+    for a, b in zip(runs["pruned"][1:], runs["all"][1:]):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 def test_host_and_stream_paths_give_the_same_output(models):
     host, eh = run_ref(models["qwen3moe"], H.n_layers, moe_path="host")
     stream, es = run_ref(models["qwen3moe"], H.n_layers, moe_path="stream")
@@ -174,7 +225,7 @@ def test_depth_from_environment(models, monkeypatch):
 def test_bf16_compute_stays_close_to_f32(models):
     f32, _ = run_ref(models["qwen3moe"], 0)
     bf16, e = run_ref(models["qwen3moe"], 0, dtype="bf16")
-    assert e.info().extra["compute_dtype"] == "bf16"
+    assert e.info().settings["dtype"] == "bf16"
     assert np.abs(bf16 - f32).max() < 0.15 and (bf16.argmax(-1) == f32.argmax(-1)).mean() >= 0.9
 
 

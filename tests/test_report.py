@@ -36,7 +36,8 @@ def _cell(engine, depth, status="ok", error="", **kw) -> dict:
             "n_ctx": 8448, "n_batch": 2048, "n_ubatch": 512, "threads": 2, "flash_attn": "auto", "device": "auto",
             "dtype": "auto", "mmap": True, "extra": {}, "effective_settings": {}, "bytes_by_device": {},
             "status": status, "error": error, "load_s": 1.0, "wall_s": 2.0, "peak_rss_mib": 100.0 + depth,
-            "peak_vram_mib": float("nan"), "host": "box"} | kw
+            "peak_rss_anon_mib": 60.0 + depth, "peak_rss_file_mib": 70.0 + depth, "rss_anon_floor_mib": 20.0,
+            "peak_rss_anon_above_floor_mib": 40.0 + depth, "peak_vram_mib": float("nan"), "host": "box"} | kw
 
 
 def _meas(engine, depth, workload, tps, n_depth=0) -> list[dict]:
@@ -57,8 +58,11 @@ def fake_run(tmp_path) -> Path:
                                             "host": {"hostname": "laptop", "cpu": "Tiny CPU", "cores_logical": 2,
                                                      "ram_mib": 8192, "gpus": [], "gpu_name": ""}}))
     results.append_rows(d, "cells.csv", [
-        _cell("reference", 0, n_ubatch=2048, threads=40, effective_settings={"n_ctx": 8448}),
-        _cell("llama-cpp", 0, n_ubatch=512, threads=192, effective_settings={"n_ctx": 8704}),
+        _cell("reference", 0, n_ubatch=2048, threads=40, effective_settings={
+            "n_ctx": 8448, "compute_dtype": {"prefill": "bf16+q8-activations", "decode": "q8-activations"},
+            "weights": "hugepage-copy"}),
+        _cell("llama-cpp", 0, n_ubatch=512, threads=192, effective_settings={
+            "n_ctx": 8704, "compute_dtype": {"prefill": "q8-activations", "decode": "q8-activations"}}),
         _cell("reference", 12),
         _cell("llama-cpp", 12, status="oom", error="killed by SIGKILL (OOM killer) | log tail: <b>boom</b>"),
     ])
@@ -81,7 +85,7 @@ def test_report_of_a_real_sweep(real_run, tmp_path):
     for d in (0, 4):
         for wl in ("pp16", "tg4"):
             assert rows[d][f"reference {wl}"] == pytest.approx(med["reference", d, wl])
-            assert rows[d][f"{wl} ratio"] == pytest.approx(med["reference", d, wl] / med["llama-cpp", d, wl])
+            assert rows[d][f"{wl} median ratio"] == pytest.approx(med["reference", d, wl] / med["llama-cpp", d, wl])
         assert rows[d]["llama-cpp VRAM MiB"] == "not measured"          # no GPU: said, not zero
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert pngs == ["m0_memory.png", "m0_speedup.png", "m0_throughput_pp16.png", "m0_throughput_tg4.png",
@@ -100,7 +104,8 @@ def test_fairness_failed_cells_and_hostile_names(fake_run, tmp_path):
     r = moebench("report", fake_run, "-o", out, "--format", "json")
     assert r.returncode == 0, r.stderr
     rows = {row["n_cpu_moe"]: row for row in json.loads(r.stdout)}
-    assert rows[0]["pp4096 ratio"] == pytest.approx(1050 / 450)
+    assert rows[0]["pp4096 ratio"] == pytest.approx((1000 * 1100 / (500 * 400)) ** 0.5)     # geometric: the centre
+    assert rows[0]["pp4096 median ratio"] == pytest.approx(1050 / 450)
     assert rows[0]["llama-cpp tg128@d8192"] == "not run" and rows[0]["reference tg128"] == "not run"
     assert rows[12]["llama-cpp pp4096"] == "oom (killed by SIGKILL (OOM killer))"    # failed, not a gap
     r = moebench("report", fake_run, "-o", out, "--format", "csv")
@@ -108,9 +113,18 @@ def test_fairness_failed_cells_and_hostile_names(fake_run, tmp_path):
     md = (out / "report.md").read_text()
     fair = md.split("Fairness")[1].split("All cells")[0]
     for line in ["| 0 | n\\_ubatch | 2048 | 512 |", "| 0 | threads | 40 | 192 |",
-                 "| 0 | decode context depth | 8192 | 0 |", "| 0 | n\\_ctx (effective) | 8448 | 8704 |"]:
+                 "| 0 | decode context depth | 8192 | 0 |", "| 0 | n\\_ctx (effective) | 8448 | 8704 |",
+                 # the union of both sides' settings, nested ones flattened: one side's alone is a difference too
+                 "| 0 | compute\\_dtype.prefill (effective) | bf16+q8-activations | q8-activations |",
+                 "| 0 | weights (effective) | hugepage-copy | (not reported) |"]:
         assert line in fair, fair
-    assert "| 12 |" not in fair                       # only settings that differ; the OOM cell has none
+    assert "compute\\_dtype.decode" not in fair                 # the same on both sides
+    assert "| 12 |" not in fair                       # a pair with a failed (OOM) cell measured nothing to compare
+    # memory: the anonymous peak as the RAM an engine needs (and above its floor), the file-backed peak apart
+    every = md.split("All cells")[1]
+    assert "| RAM MiB (anon) | anon above floor MiB | file-backed MiB | peak VRAM MiB |" in every
+    assert "| reference | 12 | pp4096 | ok | 810 | 14.1 | 1.75 | 800 | 820 | 2.00 | 72.0 | 52.0 | 82.0 |  |" in every
+    assert "the RAM an engine needs" in md and "page cache the kernel can reclaim" in md
     page = (out / "report.html").read_text()
     assert "<script" not in page and "<b>boom" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;|**x**_`y`" in page
@@ -124,8 +138,8 @@ def test_against_published_places_both_side_by_side(fake_run, tmp_path):
     assert r.returncode == 0, r.stderr
     against = r.stdout.split("measured vs published: Qwen3.5-35B-A3B")[1]
     # best of the repetitions, as published: 1100 / 500
-    # with the interval of the typical ratio (Welch over the repetitions: one process each) and its verdict
-    assert "| 0 | pp4096 | 9,538 | 8,149 | 1.17x | 1,100 | 500 | 2.20x (1.00–5.50) | A faster |" in against, against
+    # one process a side: no interval, the verdict says so
+    assert "| 0 | pp4096 | 9,538 | 8,149 | 1.17x | 1,100 | 500 | 2.20x | insufficient data |" in against, against
     assert "| 12 | pp4096 | 6,755 | 988 | 6.84x | 820 | oom (killed by SIGKILL (OOM killer)) |" in against
     assert "| 24 | pp4096 | 4,412 | 498 | 8.86x | not run | not run |  |  | depth not in this run |" in against
     assert "| 0 | tg128 | 160 | 228 | 0.70x | not run | 25.0 |" in against       # reference ran tg128@d8192 only

@@ -166,13 +166,49 @@ def test_rss_floor_holds_the_torch_ops_a_forward_runs(tiny):
 
 def test_rounds_keep_the_largest_rss_above_floor_with_its_floor():
     """Each round is a process with its own floor: the joined cell keeps the round that grew most above its own
-    floor, and that round's floor, not the largest floor or the round with the largest peak."""
+    floor, and that round's floor, not the largest floor or the round with the largest peak; the same for the
+    anonymous RSS on its own (another round may hold it); each peak is the largest of its own."""
     from harness.run.runner import join_rounds
 
-    def part(floor: float, peak: float) -> tuple:
+    def part(floor: float, peak: float, anon_floor: float, anon: float) -> tuple:
         return ({"status": "ok", "error": "", "wall_s": 1.0, "peak_rss_mib": peak, "peak_vram_mib": float("nan"),
-                 "rss_floor_mib": floor, "peak_rss_above_floor_mib": peak - floor}, [], [])
+                 "peak_rss_anon_mib": anon, "peak_rss_file_mib": peak - anon,
+                 "rss_floor_mib": floor, "peak_rss_above_floor_mib": peak - floor,
+                 "rss_anon_floor_mib": anon_floor, "peak_rss_anon_above_floor_mib": anon - anon_floor}, [], [])
 
-    row, _, _ = join_rounds([part(300.0, 1000.0), part(100.0, 900.0), part(float("nan"), 950.0)])
+    row, _, _ = join_rounds([part(300.0, 1000.0, 50.0, 600.0), part(100.0, 900.0, 90.0, 700.0),
+                             part(float("nan"), 950.0, 10.0, 650.0)])
     assert row["peak_rss_mib"] == 1000.0
+    assert (row["peak_rss_anon_mib"], row["peak_rss_file_mib"]) == (700.0, 400.0)      # each its own largest
     assert (row["rss_floor_mib"], row["peak_rss_above_floor_mib"]) == (100.0, 800.0)
+    assert (row["rss_anon_floor_mib"], row["peak_rss_anon_above_floor_mib"]) == (10.0, 640.0)
+
+
+def test_memory_columns_are_the_peaks_of_each_series(tiny, tmp_path):
+    """cells.csv's peak RSS, anonymous and file-backed RSS are each the largest of their own series in samples.csv
+    (over the cell; measurements.csv: over that workload's timed phase), through both engines' real workers. The
+    anonymous floor is the worker's before load, a part of its RSS floor."""
+    r = moebench("sweep", "-m", tiny, "-e", "reference,llama-cpp", "-w", "pp16,tg4", "-r", "3", "--rounds", "1",
+                 "--threads", "2", "--sample-ms", "5", "--results-dir", tmp_path, "--format", "md")
+    assert r.returncode == 0, r.stderr
+    assert "| RAM MiB (anon) | anon above floor MiB | file-backed MiB |" in r.stdout, r.stdout    # the summary
+    run = run_dir_of(r)
+    cells, meas, samples = (pd.read_csv(run / f) for f in ("cells.csv", "measurements.csv", "samples.csv"))
+    assert len(cells) == 2 and (cells["status"] == "ok").all()
+    sampled = 0
+    for c in cells.to_dict("records"):
+        s = samples[samples["cell_id"] == c["cell_id"]]
+        for col in ("rss_mib", "rss_anon_mib", "rss_file_mib"):
+            assert c[f"peak_{col}"] == pytest.approx(s[col].max(), abs=1e-3), (c["engine"], col)
+        assert 0 < c["peak_rss_anon_mib"] < c["peak_rss_mib"] <= c["peak_rss_anon_mib"] + c["peak_rss_file_mib"] + 1
+        assert 0 < c["rss_anon_floor_mib"] < c["rss_floor_mib"] and c["rss_anon_floor_mib"] < c["peak_rss_anon_mib"]
+        assert c["peak_rss_anon_above_floor_mib"] == pytest.approx(c["peak_rss_anon_mib"] - c["rss_anon_floor_mib"],
+                                                                   abs=1e-3)
+        for m in meas[meas["cell_id"] == c["cell_id"]].to_dict("records"):
+            phase = s[s["phase"] == m["workload"]]          # none in a phase shorter than a sample: NaN
+            for col in ("rss_anon_mib", "rss_file_mib"):
+                assert m[f"peak_{col}"] == pytest.approx(phase[col].max(), abs=1e-3, nan_ok=True), \
+                    (c["engine"], m["workload"])
+                assert phase.empty or m[f"peak_{col}"] <= c[f"peak_{col}"]
+            sampled += not phase.empty
+    assert sampled > 0

@@ -5,7 +5,7 @@ import subprocess
 import sys
 import time
 
-from harness.run.sampler import Sampler, peaks
+from harness.run.sampler import Peaks, Sampler, peaks
 
 # a child that starts a grandchild; each touches a known number of MiB, reports, and holds it
 CHILD = r"""
@@ -37,7 +37,8 @@ def test_sampler_sees_a_known_allocation_across_the_process_tree():
     samples = s.stop()
     p.wait()
     base = min(x["rss_mib"] for x in samples if x["phase"] == "start")
-    rss, vram = peaks(samples, "alloc")
+    top = peaks(samples, "alloc")
+    rss, vram = top.rss_mib, top.vram_mib
     grown = rss - base
     # 300 MiB in the child + 200 MiB in the grandchild (+ the grandchild interpreter's own ~10 MiB)
     assert 500 * 0.98 < grown < 500 * 1.06, grown
@@ -69,3 +70,46 @@ def test_sampler_skips_a_zombie():
         assert Sampler(p.pid).sample() is None
     finally:
         p.wait()
+
+
+# maps a file and reads every page (file-backed RSS), lets it go, then touches anonymous memory: the two peaks
+# fall at different times
+MAP_THEN_ALLOC = r"""
+import mmap, sys, time
+with open(sys.argv[1], "rb") as f:
+    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+sum(m[i] for i in range(0, len(m), 4096))
+print("mapped", flush=True)
+time.sleep(0.6)
+m.close()
+buf = bytearray(int(sys.argv[2]) << 20)
+for i in range(0, len(buf), 4096): buf[i] = 1
+print("allocated", flush=True)
+time.sleep(0.6)
+"""
+
+
+def test_anonymous_and_file_backed_peaks_are_each_their_own(tmp_path):
+    """A mapped file's pages count as file-backed RSS, a touched allocation as anonymous: each peak is its series'
+    own (200 MiB file-backed, then 300 MiB anonymous after the mapping is gone), so together they exceed the peak
+    RSS, which never held both."""
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\1" * (200 << 20))
+    p = subprocess.Popen([sys.executable, "-c", MAP_THEN_ALLOC, str(path), "300"], stdout=subprocess.PIPE, text=True)
+    s = Sampler(p.pid, interval_ms=20)
+    s.start()
+    time.sleep(0.2)
+    s.phase = "run"
+    assert p.stdout.readline().strip() == "mapped"
+    assert p.stdout.readline().strip() == "allocated"
+    time.sleep(0.3)
+    samples = s.stop()
+    p.wait()
+    start = [x for x in samples if x["phase"] == "start"]
+    top = peaks(samples, "run")
+    anon = top.rss_anon_mib - min(x["rss_anon_mib"] for x in start)
+    file_ = top.rss_file_mib - min(x["rss_file_mib"] for x in start)
+    assert 300 * 0.98 < anon < 300 * 1.06, anon
+    assert 200 * 0.98 < file_ < 200 * 1.06, file_
+    assert top.rss_mib < top.rss_anon_mib + top.rss_file_mib - 150       # not both at once
+    assert peaks(samples, "no such phase") == Peaks()                    # NaN, not zero, where nothing was sampled

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from engines.errors import UserError
-from engines.gguf_meta import tensor_bytes
+from engines.gguf_meta import ModelMeta, read_meta, tensor_bytes
 from engines.paths import cache_dir
 from engines.reference.archs import ARCHS, PRESETS, Hparams, Preset
 from workloads.planted import Planter, Planting, parse_options
@@ -67,14 +67,21 @@ def synthesize(preset: str | Preset, out: str | Path, seed: int = 0, dtype: str 
     sparse: the header and tensor table only, the data a hole of the right size (no disk, no weights): what
     `moebench plan` reads, for the real models' full layer counts (their weights would take 13-150 GB).
     routing: plant a skewed, token-tied routing (workloads.planted), recorded as `moebench.routing.*` metadata."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    _write_gguf(preset, tmp, seed, dtype, sparse, routing)
+    tmp.replace(out)   # atomic: a half-written file never looks like a model
+    return out
+
+
+def _write_gguf(preset: str | Preset, path: Path, seed: int, dtype: str | None, sparse: bool,
+                routing: Planting | None) -> None:
     import gguf
 
     p = get_preset(preset, dtype) if isinstance(preset, str) else replace(preset, dtype=dtype or preset.dtype)
     h = p.h
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    w = gguf.GGUFWriter(tmp, h.arch)
+    w = gguf.GGUFWriter(path, h.arch)
     shapes = tensor_shapes(p)
     planter = None
     if routing is not None:
@@ -100,17 +107,15 @@ def synthesize(preset: str | Preset, out: str | Path, seed: int = 0, dtype: str 
     if sparse:                               # the data section left as a hole
         end = f.tell() + sum(w.ggml_pad(ti.nbytes, w.data_alignment) for ti in w.tensors[0].values())
         w.close()
-        os.truncate(tmp, end)
-    else:                                    # one tensor (an expert stack: one expert) in memory at a time
-        for idx, (name, shape) in enumerate(shapes.items()):
-            rng = np.random.default_rng([seed, idx])
-            values = _values(special, name, shape, types[name], rng, h)
-            n = sum(_write(f, planter.values(name, a) if planter else a, types[name]) for a in values)
-            assert n == tensor_bytes(types[name], shape), (name, n)
-            w.write_padding(f, n)
-        w.close()
-    tmp.replace(out)   # atomic: a half-written file never looks like a model
-    return out
+        os.truncate(path, end)
+        return
+    for idx, (name, shape) in enumerate(shapes.items()):     # one tensor (an expert stack: one expert) at a time
+        rng = np.random.default_rng([seed, idx])
+        values = _values(special, name, shape, types[name], rng, h)
+        n = sum(_write(f, planter.values(name, a) if planter else a, types[name]) for a in values)
+        assert n == tensor_bytes(types[name], shape), (name, n)
+        w.write_padding(f, n)
+    w.close()
 
 
 def _values(special, name: str, shape: tuple[int, ...], ggml_type: str, rng: np.random.Generator, h: Hparams):
@@ -137,15 +142,38 @@ def _write(f, a: np.ndarray, ggml_type: str) -> int:
     return data.nbytes
 
 
-def cached_model(spec: str, seed: int = 0) -> Path:
-    """`preset:NAME[:DTYPE][@zipf=S[@clusters=C]]` -> a synthesized file in the cache directory, created once and
-    reused; the @ options plant a skewed, token-tied routing (workloads.planted)."""
+def _cached(spec: str, seed: int) -> tuple[str, Preset, Planting | None, Path]:
+    """`preset:NAME[:DTYPE][@zipf=S[@clusters=C]]` -> (name, preset, planted routing, its path in the cache)."""
     base, *opts = spec.split("@")
     _, name, *rest = base.split(":")
     p, routing = get_preset(name, rest[0] if rest else None), parse_options(opts)
     tag = f"-{routing.tag}" if routing else ""
-    path = cache_dir() / "models" / f"{name}-{p.dtype}-s{seed}{tag}.gguf"
+    return name, p, routing, cache_dir() / "models" / f"{name}-{p.dtype}-s{seed}{tag}.gguf"
+
+
+def cached_model(spec: str, seed: int = 0) -> Path:
+    """`preset:NAME[:DTYPE][@zipf=S[@clusters=C]]` -> a synthesized file in the cache directory, created once and
+    reused; the @ options plant a skewed, token-tied routing (workloads.planted)."""
+    name, p, routing, path = _cached(spec, seed)
     return path if path.exists() else synthesize(name, path, seed=seed, dtype=p.dtype, routing=routing)
+
+
+def preset_meta(spec: str, seed: int = 0) -> ModelMeta:
+    """A preset's header as read_meta reads the synthesized file, without writing it (`plan`, `recommend`: a
+    full-size preset's weights take 11-150 GB and minutes to make). The cached file when it exists (its real
+    fingerprint, which measured runs carry); else the header and tensor table written to memory with the data a
+    hole, and read back: the same fields, tensors and sizes, a fingerprint of that header alone, and `path` where
+    the file would be synthesized."""
+    name, p, routing, path = _cached(spec, seed)
+    if path.exists():
+        return read_meta(path)
+    fd = os.memfd_create(f"moebench-{name}")      # a file in memory: read_meta reads it as any file
+    try:
+        _write_gguf(name, Path(f"/proc/self/fd/{fd}"), seed, p.dtype, True, routing)
+        meta = read_meta(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+    return replace(meta, path=path)
 
 
 def resolve_model(m: str, seed: int = 0) -> Path:

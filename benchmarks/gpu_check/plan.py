@@ -66,7 +66,7 @@ def cache_sweep_cmd(py: str, preset: str, sweep: Sweep, results: Path, threads: 
 
 
 def cache_cmd(py: str, run_dir: Path, out_md: Path, report: Path) -> list[str]:
-    return harness(py, "cache", str(run_dir), "--vram", ",".join(str(m) for m in CACHE_MIB if m), "--policy",
+    return harness(py, "cache", str(run_dir), "--vram", ",".join(f"{m}MiB" for m in CACHE_MIB if m), "--policy",
                    "none,lru,classlru", "--format", "md", "-o", str(out_md), "--report", str(report))
 
 

@@ -41,7 +41,8 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from engines.base import ANY_WHOLE_NUMBER, Engine, EngineInfo, EngineSettings, resolve_depth
+from engines.base import (ANY_WHOLE_NUMBER, Engine, EngineInfo, EngineSettings, joined, resolve_depth,
+                          weight_arithmetic)
 from engines.errors import UserError
 
 VERSION = "0.2.0"
@@ -65,6 +66,33 @@ def keep_freed_memory() -> bool:
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20) and mallopt(M_TRIM_THRESHOLD, 1 << 30))
+
+
+def residency(hold, held: dict) -> tuple[str, dict[str, int]]:
+    """settings["weights"] (engines.base.WEIGHTS) from the matrices as held (name -> QTensor) and the bytes behind it:
+    "mapped" when every matrix still reads the file mapping, else "hugepage-copy" when copies lie on huge pages
+    (weights.hugepage_empty: CPU, hugepages on, matrices of 2 MiB or more), else "copy" (the kernels' layout on
+    ordinary pages, the GPU, page-locked memory). The untied token embedding stays mapped on a CPU (Holder.lookup)."""
+    from engines.reference.weights import HUGE
+
+    b = {"mapped": 0, "copied": 0, "hugepage_copied": 0}
+    for name, qt in held.items():
+        if qt.raw.data_ptr() == hold.src.qtensor(name).raw.data_ptr():
+            b["mapped"] += qt.nbytes
+        else:
+            b["copied"] += qt.nbytes
+            b["hugepage_copied"] += qt.nbytes if hold.hugepages and qt.nbytes >= HUGE else 0
+    return ("mapped" if not b["copied"] else "hugepage-copy" if b["hugepage_copied"] else "copy"), b
+
+
+def cpu_arithmetic(qk, qt, rows: int, gemm_bf16: bool) -> str:
+    """The compute_dtype word of the CPU kernels' product of stored matrix qt with `rows` activation rows, as
+    QuantKernels.matmul and Experts.prefill choose (gemm_bf16: the engine's compute dtype is bf16): up to rows_max rows
+    the rows kernel at the weight type's vec_dot_type (int8 dots and AMX int8 tiles for quantized types); past it the
+    GEMM on dequantized tiles, in bf16 (x, W and the results rounded) or in f32 with x rounded as the rows kernel's."""
+    if gemm_bf16 and rows > qk.rows_max(qt.type, gemm_bf16, qt.layout):
+        return "bf16"
+    return weight_arithmetic(qt.type)
 
 
 class ReferenceEngine(Engine):
@@ -162,7 +190,7 @@ class ReferenceEngine(Engine):
             raise UserError(f"The reference engine's CPU kernels cannot run here: {qk}.")
         cuda = device.type == "cuda"
         stored = stored_type(meta)
-        dtype = compute_dtype(s.dtype, device.type, stored, cuda and torch.cuda.is_bf16_supported(), qk.isa)
+        dtype = compute_dtype(s.dtype, device.type, stored, cuda and torch.cuda.is_bf16_supported())
         if x.get("cpu_moe_threads"):
             host_threads, self._host_threads_rule = int(x["cpu_moe_threads"]), "set by cpu_moe_threads"
         elif cuda:
@@ -176,11 +204,14 @@ class ReferenceEngine(Engine):
         hold = Holder(GGUFFile(meta), device, hugepages=bool(x.get("hugepages", True)),
                       kernels=qk if x.get("repack", True) else None)
 
+        held = {}                  # name -> each matrix as held (compute_dtype and weights in info() read them)
+
         def take(name: str, group: str = "non_experts", where: str = "accelerator") -> "object":
             """A tensor of the file in its home: matrices as stored, vectors (and biases: experts' are (E, ff)) f32."""
             if len(shapes[name]) == 1 or name.endswith(".bias"):
                 return hold.vector(name, group, where)
-            return hold.matrix(name, group, where)
+            held[name] = hold.matrix(name, group, where)
+            return held[name]
 
         # Routed-expert tensors are those llama.cpp's --n-cpu-moe pattern matches (engines.base.expert_layer:
         # their biases and scales too), so both engines keep exactly the same tensors in host RAM.
@@ -200,6 +231,7 @@ class ReferenceEngine(Engine):
         tied = "output.weight" not in shapes                                 # the head reads token_embd
         top = {n: hold.lookup(n) if n == "token_embd.weight" and not tied else take(n)
                for n in shapes if not n.startswith("blk.")}
+        held.setdefault("token_embd.weight", top["token_embd.weight"])
         top.setdefault("output.weight", top["token_embd.weight"])
         linear = Products(qk, getattr(torch, {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[dtype]))
         self.moe = MoEExecutor(stacks, ocfg, device, linear, Activation(arch.activation), kernels=qk)
@@ -222,6 +254,8 @@ class ReferenceEngine(Engine):
                                    and entries[n].layer < min(depth, cfg.n_trunk))
         self.all_logits = bool(x.get("logits_all", False))
         self.pos, self._logits = 0, None
+        self._weights, self._weight_bytes = residency(hold, held)
+        self._held, self._qk, self._ubatches = held, qk, set()      # _ubatches: the prefill chunk sizes run
 
     # --- running ------------------------------------------------------------------------------
 
@@ -252,6 +286,7 @@ class ReferenceEngine(Engine):
             return
         self._check_room(len(tokens))
         t = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
+        self._ubatches |= {min(len(tokens), self.s.n_ubatch), len(tokens) % self.s.n_ubatch or self.s.n_ubatch}
         self._at(0)
         with torch.inference_mode():
             self._logits = prefill(self.model, t, self.pos, self.s.n_ubatch, self.all_logits)
@@ -286,7 +321,9 @@ class ReferenceEngine(Engine):
     def info(self) -> EngineInfo:
         lg = self.ledger
         eff = self.s.to_dict() | {
-            "n_cpu_moe": self.depth, "dtype": self._dtype_name, "device": str(self.device), "mmap": True,
+            "n_cpu_moe": self.depth, "dtype": self._dtype_name, "device": str(self.device),
+            "compute_dtype": self._phases(), "weights": self._weights,
+            "mmap": self._weights == "mapped",          # the products read the file mapping only if nothing was copied
             "extra": dict(self.s.extra) | {"cpu_isa": self.isa,
                 "moe_path": self.ocfg.path, "moe_stream_min_batch": self.ocfg.stream_min_batch,
                 "cpu_moe_threads": self.ocfg.host_threads}
@@ -298,16 +335,52 @@ class ReferenceEngine(Engine):
             n_overridden_tensors=self._n_host_tensors,
             extra=lg.to_dict() | {
                 "arch": self.cfg.arch, "attention": "torch scaled_dot_product_attention", "file_dtype": self.stored,
-                "compute_dtype": self._dtype_name, "cpu_isa": self.isa,
-                "kv_cache_dtype": str(self.model.cache_dtype).removeprefix("torch."),
+                "cpu_isa": self.isa, "kv_cache_dtype": str(self.model.cache_dtype).removeprefix("torch."),
                 "host_device": "cpu", "accelerator_device": str(self.device),
                 "cpu_moe_threads_rule": self._host_threads_rule, "weights_hugepages": self._huge,
+                "weight_bytes": self._weight_bytes,
                 "malloc_keeps_freed": self._kept_freed,
                 "fused_decode": getattr(self.model, "fused", None) is not None,
                 "host_pinned": self.device.type == "cuda",
                 "placement_note": ("the accelerator part runs on the CPU: no CUDA device" if self.device.type != "cuda"
                                    else "host experts are page-locked; the rest is on the GPU"),
                 **self.moe.counters.to_dict()})
+
+    def _phases(self) -> dict[str, str]:
+        """settings["compute_dtype"]: per phase, the words (cpu_arithmetic) of every product with a weight matrix
+        (ModelMeta.product_weights). Prefill: at each ubatch size it ran (none yet: a full n_ubatch); a routed expert
+        gets 1 to all rows of a ubatch, so both sides of its rows kernel's limit can occur; the head, and the last
+        layer's FFN where the model prunes output rows (Transformer.PRUNE_LAST_LAYER), see the output rows only.
+        Decode: one row. On CUDA a matrix on the GPU computes in the compute dtype, and so do host experts that
+        stream there (the stream path, the expert cache)."""
+        qk, dtype, cuda, last = self._qk, self._dtype_name, self.device.type == "cuda", self.cfg.n_layers - 1
+        bf16, sizes = dtype == "bf16", self._ubatches or {self.s.n_ubatch}
+        pruned = f"blk.{last}.ffn_" if getattr(self.model, "PRUNE_LAST_LAYER", False) and self.recorder is None \
+            else None
+        head = "output.weight" if "output.weight" in self._held else "token_embd.weight"
+        streams = cuda and (self.ocfg.path == "stream" or self.ocfg.path == "auto" and
+                            max(sizes) >= self.ocfg.stream_min_batch)
+        words: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        for t in self.meta.product_weights():
+            qt = self._held.get(t.name)
+            if qt is None:                  # a block the engine does not run (MTP)
+                continue
+            if qt.raw.device.type == "cuda":
+                words["prefill"].add(dtype)
+                words["decode"].add(dtype)
+                continue
+            words["decode"].add(cpu_arithmetic(qk, qt, 1, bf16))
+            outputs = t.name == head or pruned and t.name.startswith(pruned)
+            for n in sizes:
+                rows = (n if self.all_logits else 1) if outputs else n
+                if t.layer is None:
+                    words["prefill"].add(cpu_arithmetic(qk, qt, rows, bf16))
+                else:
+                    words["prefill"] |= {dtype} if streams else {cpu_arithmetic(qk, qt, m, bf16) for m in (1, rows)}
+            if cuda and t.layer is not None and self.moe.cache is not None:
+                words["prefill"].add(dtype)
+                words["decode"].add(dtype)
+        return {phase: joined(w) for phase, w in words.items()}
 
     def close(self) -> None:
         if self.recorder is not None:

@@ -16,7 +16,9 @@
 #   ENGINE                      llama-cpp    -e
 #   DEPTHS                      0            --n-cpu-moe list
 #   WORKLOADS                   pp512,tg64   -w
-#   REPS                        10           -r (at least 5: fewer cannot reach p < 0.01)
+#   REPS                        10           -r, spread over the rounds
+#   ROUNDS                      5            --rounds: fresh processes per side, the units of the interval
+#                                            (one process per side gives no verdict; 3 is the least that does)
 #   THREADS                     (all cores)  --threads
 #   SWEEP_ARGS                  (none)       more sweep flags for both sides
 #   CAND_ARGS                   (none)       sweep flags for the candidate only
@@ -29,7 +31,7 @@ PYTHON=${PYTHON:-python3}
 RESULTS=$(mkdir -p "${RESULTS:-results/ci}" && cd "${RESULTS:-results/ci}" && pwd)
 # --sample-ms 0: no memory sampler thread competing with the timed work
 args=(-m "${MODEL:-preset:tiny}" -e "${ENGINE:-llama-cpp}" --n-cpu-moe "${DEPTHS:-0}" -w "${WORKLOADS:-pp512,tg64}"
-      -r "${REPS:-10}" --sample-ms 0 --results-dir "$RESULTS")
+      -r "${REPS:-10}" --rounds "${ROUNDS:-5}" --sample-ms 0 --results-dir "$RESULTS")
 [[ -n "${THREADS:-}" ]] && args+=(--threads "$THREADS")
 
 sweep() {   # sweep DIR SETUP EXTRA_ARGS -> prints the run directory

@@ -2,8 +2,10 @@
 
 A cell is a regression (or improvement) only when the change is both statistically significant (the 95 % interval
 of cand / base, harness.stats.ratio_interval, the one every table prints, excludes 1) and larger than the threshold
-(asv's rule), so noise stays quiet and tiny-but-real shifts do not fail a build. Cells are matched by their full
-configuration key (harness.store.results.KEY_FIELDS); nothing is ever pooled across depths or settings.
+(asv's rule), so noise stays quiet and tiny-but-real shifts do not fail a build. The interval's units are processes
+(rounds): a run of one process a side gives no verdict ("insufficient data", with why), since its repetitions see
+none of the few percent by which two processes of one build differ. Cells are matched by their full configuration
+key (harness.store.results.KEY_FIELDS); nothing is ever pooled across depths or settings.
 """
 from __future__ import annotations
 
@@ -29,10 +31,11 @@ class CellResult:
     n_cand: int
     base_median: float
     cand_median: float
-    ratio: float
+    ratio: float        # the interval's centre: geometric mean of the round ratios / ratio of the process means
+    median_ratio: float
     ci_low: float
     ci_high: float
-    over: str           # what the interval resampled: "3 rounds (paired)", "3 rounds", "6 repetitions"
+    over: str           # the interval's units: "3 rounds (paired)", "3 rounds"; "1 process" without one
     verdict: str        # regression | improvement | no change | insufficient data | candidate failed
     note: str = ""
 
@@ -41,7 +44,8 @@ def compare_samples(base: dict, cand: dict, alpha: float = 0.05, threshold: floa
                     higher_is_better: bool = True, paired: bool = False) -> CellResult:
     """Verdict for one cell from raw samples grouped by process ({process: [values]}, CellSamples.groups): a
     regression (or improvement) when the 1 - alpha interval of cand / base excludes 1 (significant) and the
-    median ratio is beyond the threshold (large enough), asv's rule; the same interval every table prints."""
+    ratio (its centre) is beyond the threshold (large enough), asv's rule; the same interval every table prints.
+    `paired`: the harness.store.history.pairing of the one run both sides come from (the arms of --interleave)."""
     import numpy as np
 
     from harness.stats import ratio_interval
@@ -51,14 +55,13 @@ def compare_samples(base: dict, cand: dict, alpha: float = 0.05, threshold: floa
     iv = ratio_interval(cand, base, paired=paired, level=1 - alpha, higher_is_better=higher_is_better)
     over = f"{iv.n} {iv.unit}".strip()
     if iv.verdict == "insufficient data":
-        return CellResult(len(b), len(c), mb, mc, iv.ratio, iv.low, iv.high, over, iv.verdict,
-                          f"{len(base)} vs {len(cand)} processes of {len(b)} vs {len(c)} samples give no interval; "
-                          "run -r 2 or more, or --rounds 2 or more")
+        return CellResult(len(b), len(c), mb, mc, iv.ratio, iv.median_ratio, iv.low, iv.high, over, iv.verdict,
+                          f"candidate vs base: {iv.note}")
     worse = iv.ratio < 1 - threshold if higher_is_better else iv.ratio > 1 + threshold
     better = iv.ratio > 1 + threshold if higher_is_better else iv.ratio < 1 - threshold
     verdict = ("regression" if iv.verdict == "B faster" and worse else
                "improvement" if iv.verdict == "A faster" and better else "no change")
-    return CellResult(len(b), len(c), mb, mc, iv.ratio, iv.low, iv.high, over, verdict)
+    return CellResult(len(b), len(c), mb, mc, iv.ratio, iv.median_ratio, iv.low, iv.high, over, verdict)
 
 
 # --- inputs: run directories, arms of an interleaved run, history selectors -------------------------
@@ -144,7 +147,8 @@ def key_of(fields: list[str]):
 def compare_sides(base: Side, cand: Side, metric: str, alpha: float, threshold: float, ignore: list[str]) -> dict:
     """Match cells by key (minus `ignore`), judge each pair; returns cells, summary and unmatched rows. The two arms
     of one run pair round by round (they ran in the same stretches of time); anything else is unpaired."""
-    paired = bool(base.run_dir and cand.run_dir and base.run_dir.resolve() == cand.run_dir.resolve())
+    paired = bool(base.run_dir and cand.run_dir and base.run_dir.resolve() == cand.run_dir.resolve()) and \
+        history.pairing(json.loads((cand.run_dir / "run.json").read_text()))["paired"]
     bad = [f for f in ignore if f not in KEY_FIELDS]
     if bad:
         raise UserError(f"--ignore {','.join(bad)} is not a key field; choose from {', '.join(KEY_FIELDS)}.")
@@ -245,7 +249,8 @@ def headline(result: dict, alpha: float, threshold: float, metric: str) -> str:
               ("regression", "candidate failed", "improvement", "no change", "insufficient data")}
     text = ", ".join(f"{n} {v}" for v, n in counts.items() if n) or "no cells"
     return (f"{text} ({len(result['cells'])} matched cells, {len(result['unmatched'])} unmatched; {metric}, "
-            f"{1 - alpha:.0%} t interval on log ratios (harness.stats.ratio_interval), threshold {threshold:.1%})")
+            f"{1 - alpha:.0%} t interval on log ratios over processes (harness.stats.ratio_interval), threshold "
+            f"{threshold:.1%})")
 
 
 def decision(result: dict) -> dict:
@@ -258,11 +263,12 @@ def decision(result: dict) -> dict:
 
 
 def _display(rows: list[dict]) -> list[dict]:
-    from harness.stats import RatioInterval
+    from harness.stats import RatioInterval, fmt_ratio
 
     out = [{"engine": r["engine"], "model": r["model"], "n_cpu_moe": r["n_cpu_moe"], "workload": r["workload"],
             "settings": r["settings"], "base": r["base_median"], "cand": r["cand_median"],
             "ratio (95% CI)": RatioInterval(r["ratio"], r["ci_low"], r["ci_high"], 0, "", "").text(),
+            "median ratio": f"{fmt_ratio(r['median_ratio'])}x" if r["median_ratio"] == r["median_ratio"] else "",
             "over": r["over"], "n": f"{r['n_base']}/{r['n_cand']}", "verdict": r["verdict"], "note": r["note"]}
            for r in rows]
     if not any(r["note"] for r in out):

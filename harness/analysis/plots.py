@@ -122,18 +122,24 @@ def speedup(summary, baseline: str, interval, out: Path, stem: str) -> list[Path
 
 
 def memory(summary, out: Path, stem: str) -> list[Path]:
-    """Peak VRAM and peak RAM per cell vs n_cpu_moe, one line per engine."""
+    """Peak VRAM and peak RAM per cell vs n_cpu_moe, one line per engine: RAM as the anonymous peak (the RAM an
+    engine needs, solid, dots) and the file-backed peak (the mapped model's page cache, dashed, crosses)."""
     plt = _plt()
     cells = summary.drop_duplicates(["engine", "n_cpu_moe"])
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for ax, col, name in [(axes[0], "peak_vram_mib", "peak VRAM MiB"), (axes[1], "peak_rss_mib", "peak RAM MiB")]:
-        if cells[col].isna().all():
-            ax.text(0.5, 0.5, NO_GPU if col == "peak_vram_mib" else "not measured", ha="center", va="center",
+    for ax, cols, name in [(axes[0], {"peak_vram_mib": ""}, "peak VRAM MiB"),
+                           (axes[1], {"peak_rss_anon_mib": " anon", "peak_rss_file_mib": " file-backed"},
+                            "peak RAM MiB")]:
+        if cells[list(cols)].isna().all().all():
+            ax.text(0.5, 0.5, NO_GPU if "peak_vram_mib" in cols else "not measured", ha="center", va="center",
                     transform=ax.transAxes, fontsize=11, color="gray")
-        for engine, g in cells.groupby("engine", sort=True):
-            g = g.sort_values("n_cpu_moe").dropna(subset=[col])
-            if not g.empty:
-                ax.plot(g["n_cpu_moe"], g[col], marker="o", label=engine)
+        for i, (engine, g) in enumerate(cells.groupby("engine", sort=True)):
+            for col, what in cols.items():
+                h = g.sort_values("n_cpu_moe").dropna(subset=[col])
+                if not h.empty:
+                    file_ = col == "peak_rss_file_mib"
+                    ax.plot(h["n_cpu_moe"], h[col], marker="x" if file_ else "o", color=f"C{i}", label=engine + what,
+                            linestyle="--" if file_ else "-")
         _depth_ticks(ax, summary["n_cpu_moe"])
         ax.set(xlabel="n_cpu_moe", ylabel=name, title=f"{name} per cell")
         ax.grid(alpha=0.3)
@@ -159,6 +165,9 @@ def timeline(samples, cell_id: str, title: str, out: Path, name: str) -> list[Pa
     t = s["t_ms"] / 1000
     fig, ax = plt.subplots(figsize=(10, 3.8))
     ax.plot(t, s["rss_mib"], color="tab:blue", label="RSS MiB")
+    for col, color, label in (("rss_anon_mib", "tab:red", "anonymous"), ("rss_file_mib", "tab:cyan", "file-backed")):
+        if col in s and s[col].notna().any():
+            ax.plot(t, s[col], color=color, lw=1, label=f"{label} MiB")
     if s["vram_proc_mib"].notna().any():
         ax.plot(t, s["vram_proc_mib"], color="tab:purple", label="VRAM (process) MiB")
     else:

@@ -85,7 +85,10 @@ def layout_rows(depths: list[int], workloads: list[str], a: str, b: str, get: Ge
             row[f"{a} {label}"], row[f"{b} {label}"] = va, vb
             row[f"{short} ratio"] = ratio(va, vb)
             if interval and metric != "vram":
-                with_interval(row, f"{short} ratio", interval(a, b, d, metric))
+                iv = interval(a, b, d, metric)
+                if iv and iv.ratio == iv.ratio:     # the headline is the interval's centre; median / median beside it
+                    row[f"{short} median ratio"], row[f"{short} ratio"] = row[f"{short} ratio"], iv.ratio
+                with_interval(row, f"{short} ratio", iv)
             if printed:
                 row[f"{short} printed"] = printed(None, d, metric)
         rows.append(row)

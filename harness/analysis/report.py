@@ -130,12 +130,16 @@ STEADY = 0.05       # the probe moving less than this: the machine was steady
 @dataclass
 class Intervals:
     """intervals(a, b, depth, workload) -> harness.stats.RatioInterval of engine a over engine b at that depth, or
-    None when either cell is missing or failed; `units` collects what each interval resampled (for captions).
-    Round r of two cells of one run ran in the same stretch of time (interleaved rounds, or the turns of
-    --interleave), so their rounds pair."""
+    None when either cell is missing or failed; `units` collects what each interval resampled and `notes` why a
+    ratio has none (for captions). Two cells of one run are treated as their run.json says (`runs`;
+    harness.store.history.pairing): round r of both ran in the same stretch of time (interleaved rounds, the turns
+    of --interleave) so their rounds pair, unless back-to-back; an --until run's intervals are Stein's. Without
+    `runs`, cells of one run pair."""
     cells: object
     meas: object
+    runs: list = field(default_factory=list)            # run.json of each run (load_runs), for pairing
     units: set = field(default_factory=set)
+    notes: set = field(default_factory=set)
     _memo: dict = field(default_factory=dict)          # the layout table and the speedup plot ask the same cells
 
     def __call__(self, a: str, b: str, depth: int, workload: str):
@@ -146,6 +150,7 @@ class Intervals:
 
     def _interval(self, a: str, b: str, depth: int, workload: str):
         from harness.stats import ratio_interval
+        from harness.store.history import pairing
         from harness.store.results import round_groups
 
         ca, cb = last_cell(self.cells, a, depth), last_cell(self.cells, b, depth)
@@ -153,13 +158,19 @@ class Intervals:
             return None
         m = self.meas[self.meas["workload"] == workload]
         ga, gb = (round_groups(m[m["cell_id"] == c["cell_id"]]) for c in (ca, cb))
-        iv = ratio_interval(ga, gb, paired=ca.get("run_id") == cb.get("run_id"))
-        if iv.unit:
+        run = next((r for r in self.runs if r.get("run_id") == ca.get("run_id")), {})
+        how = pairing(run) if ca.get("run_id") == cb.get("run_id") else {"paired": False}
+        iv = ratio_interval(ga, gb, **how)
+        if iv.low == iv.low:
             self.units.add(f"{iv.n} {iv.unit}")
+        elif iv.note:
+            self.notes.add(iv.note)
         return iv
 
     def describe(self) -> str:
-        return "t interval on log ratios over " + (" / ".join(sorted(self.units)) or "no samples")
+        """What the intervals were computed over, and why some ratios have none."""
+        over = [f"t interval on log ratios over {' / '.join(sorted(self.units))}"] if self.units else []
+        return "; ".join(over + [f"no interval for {n}" for n in sorted(self.notes)]) or "no samples"
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -201,16 +212,23 @@ def kernel_path_rows(cells) -> list[dict]:
     return rows
 
 
+NOT_REPORTED = "(not reported)"
+
+
 def fairness_rows(cells, meas, a: str, b: str, depths: list[int]) -> list[dict]:
-    """Every setting that differed between A and B at one depth (asked, effective, workload context)."""
+    """Every setting that differed between A and B at one depth, over the union of both sides' settings (asked,
+    effective with nested ones flattened as compute_dtype.prefill, workload context): one side's setting the other
+    does not report is a difference too, shown as NOT_REPORTED. Only pairs of cells that both produced numbers."""
     rows = []
     for d in depths:
         ca, cb = (cells[(cells["engine"] == e) & (cells["n_cpu_moe"] == d)] for e in (a, b))
-        if ca.empty or cb.empty:
+        if ca.empty or cb.empty or "ok" != ca.iloc[-1]["status"] or "ok" != cb.iloc[-1]["status"]:
             continue
         sa, sb = _settings(ca.iloc[-1], meas), _settings(cb.iloc[-1], meas)
-        for k in [k for k in sa if k in sb and sa[k] != sb[k] and sa[k] and sb[k]]:
-            rows.append({"n_cpu_moe": d, "setting": k, a: sa[k], b: sb[k]})
+        for k in dict.fromkeys([*sa, *sb]):
+            va, vb = sa.get(k) or NOT_REPORTED, sb.get(k) or NOT_REPORTED
+            if va != vb:
+                rows.append({"n_cpu_moe": d, "setting": k, a: va, b: vb})
     return rows
 
 
@@ -269,11 +287,12 @@ def rounds_rows(mcells, meas) -> list[dict]:
 
 
 def _summary_rows(summary) -> list[dict]:
+    from harness.store.results import memory_cells
+
     return [{"engine": r.engine, "n_cpu_moe": r.n_cpu_moe, "workload": r.workload,
              "status": r.status if r.status == "ok" else reason(r._asdict()), "median tok/s": r.tps_median,
              "std": r.tps_std, "cv %": 100 * r.tps_cv, "min": r.tps_min, "max": r.tps_max, "n": r.tps_n,
-             "peak RAM MiB": r.peak_rss_mib, "RAM above floor MiB": r.peak_rss_above_floor_mib,
-             "peak VRAM MiB": r.peak_vram_mib}
+             **memory_cells(r._asdict())}
             for r in summary.sort_values(["engine", "n_cpu_moe"], kind="stable").itertuples()]
 
 
@@ -281,6 +300,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, engine_a: str | None = Non
                  against: str | None = None, revision: str = "final") -> Report:
     """Build the report of run_dirs into out_dir (report.md, report.html, *.png); returns it."""
     from harness.analysis import plots, published
+    from harness.planning.roofline import annotate, bound_messages
     from harness.store import results
 
     runs, cells, meas, samples = load_runs(run_dirs)
@@ -306,12 +326,25 @@ def write_report(run_dirs: list[Path], out_dir: Path, engine_a: str | None = Non
             para("--until ({run}): {rounds} rounds to bring every compared ratio within ±{target}; {n} of {total} got "
                  "there ({why}).", run=r["run_id"], rounds=u["rounds"], target=f"{u['target']:.1%}",
                  n=len(u["pairs"]) - len(missed), total=len(u["pairs"]), why=u["stopped_by"])
+            if u.get("pilot"):
+                para("--until ({run}) used Stein's two-stage rule: a pilot of {pilot} interleaved rounds fixed how "
+                     "many rounds each pair runs, and its interval is the mean of the rounds' log ratios ± t({dof}) x "
+                     "the pilot's spread / sqrt(rounds), so the 95% holds with the stopping included.",
+                     run=r["run_id"], pilot=u["pilot"], dof=u["pilot"] - 1)
             if missed:
                 table([{"A": _cell_label(p["a"]), "B": _cell_label(p["b"]), "workload": p["workload"],
-                        "95% interval": f"±{p['half_width']:.1%}", "why": p["why"]} for p in missed],
+                        "95% interval": f"±{p['half_width']:.1%}",
+                        "rounds": f"{p['rounds']} of {p['needed']}" if "needed" in p else p["rounds"],
+                        "why": p["why"]} for p in missed],
                       "--until ({run}): the ratios that did not get there", run=r["run_id"])
+    for line in bound_messages(annotate(cells, summary, runs)):     # above its bound, or none: never silent
+        para("Roofline: {line}", line=line)
     if not any(r.get("host", {}).get("gpus") for r in runs):
         para("No GPU: VRAM not measured (the VRAM columns say so instead of showing zeros).")
+    para("Memory: RAM MiB (anon) is the peak of the cell's anonymous resident memory, the RAM an engine needs (anon "
+         "above floor: less its runtime's before the model loads); file-backed MiB is the peak of its mapped file "
+         "pages (the model file when mapped, libraries): page cache the kernel can reclaim, but what keeps an mmap'd "
+         "model fast. Each is its own peak; their sum may exceed the peak RSS.")
     names = cells.groupby("model_name")["model_fingerprint"].nunique()
     for i, (fp, mcells) in enumerate(cells.groupby("model_fingerprint", sort=False)):   # a file, not a name
         ms = summary[summary["model_fingerprint"] == fp]
@@ -323,7 +356,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, engine_a: str | None = Non
         para("{arch}, {n} layers ({moe} MoE), fingerprint {fp}, file {path}.", arch=first["arch"],
              n=first["n_layers"], moe=first["n_moe_layers"], fp=first["model_fingerprint"], path=first["model"])
         layout = published.layout_rows(depths, wls, a, b, getter(mcells, ms, "tps_median"),
-                                       interval=(iv := Intervals(mcells, meas)))
+                                       interval=(iv := Intervals(mcells, meas, runs)))
         title = f"{model}: A = {a}, B = {b} (baseline); median tok/s; ratio = A / B"
         table(published.display(layout), "Published layout. A = {a}, B = {b} (baseline); throughput = median tok/s "
               "over the repetitions; ratio = A / B with its 95% interval ({unit}); verdict: A faster, B faster, or "
@@ -377,7 +410,7 @@ def _against(rep: Report, runs, mcells, ms, meas, a, b, model: str, revision: st
     first = mcells.iloc[0]
     rows = published.against_rows(df, a, b, getter(mcells, ms, "tps_max"), int(first["n_layers"]),
                                   [w for w in dict.fromkeys(meas["workload"]) if isinstance(w, str)],
-                                  Intervals(mcells, meas))
+                                  Intervals(mcells, meas, runs))
     hw = published.hardware_rows(df, runs[-1].get("host", {}),
                                  {"name": first["model_name"], "n_moe_layers": first["n_moe_layers"]})
     rep.blocks.append(("h", 2, P("Against published: {m} ({r})", {"m": model, "r": df["doc_revision"].iloc[0]})))

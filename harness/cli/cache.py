@@ -11,7 +11,7 @@ from harness.cli.options import FORMAT, OUTPUT, split_list, user_errors
 @click.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--vram", "vram", required=True, multiple=True,
-              help="Cache sizes in MiB to simulate, e.g. --vram 256,1024,4096 (repeatable).")
+              help="Cache sizes to simulate, e.g. --vram 256MiB,1GiB,4GiB (repeatable).")
 @click.option("--policy", "policies", multiple=True,
               help="Policies: none, static, lru, lfu, classlru (comma list or repeated; default all).")
 @click.option("--global", "global_pool", is_flag=True, help="One cache pool over all host layers (default: per layer).")
@@ -32,15 +32,12 @@ def cache(paths, vram, policies, global_pool, cpu_share, upload_cap, n_cpu_moe, 
     """Hit rate, link and CPU bytes per token of expert caches on routing traces (.npz files or run directories
     recorded with `moebench sweep --trace-routing`), with Belady and the best static set as bounds, the traces'
     statistics, and the time model fitted on the runs' measured cells."""
-    from engines.errors import UserError
     from harness.analysis.tables import render
     from harness.planning import cache as plan_cache
     from harness.planning import cache_model
+    from harness.units import MiB, parse_size
 
-    try:
-        budgets = [float(x) for x in split_list(vram)]
-    except ValueError:
-        raise UserError(f"--vram {','.join(vram)!r} is not a list of MiB numbers; pass e.g. --vram 256,1024") from None
+    budgets = [parse_size(x, "--vram") / MiB for x in split_list(vram)]
     names = split_list(policies) or None
     traces = plan_cache.load([Path(p) for p in paths], split_list(segments) or None)
     studies = [plan_cache.study(label, t, budgets, names, global_pool=global_pool, cpu_share=cpu_share,

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from engines.errors import UserError
 from harness.cli.options import FORMAT, OUTPUT, split_list, user_errors
 
 
@@ -46,3 +47,6 @@ def compare(base, cand, threshold, alpha, metric, ignore, fail_on_regression, re
                    err=True)
     if fail_on_regression and any(r["verdict"] in ("regression", "candidate failed") for r in result["cells"]):
         sys.exit(1)
+    if fail_on_regression and insufficient and len(insufficient) == len(result["cells"]):
+        # a gate that can judge nothing would pass every build: say so instead of exiting 0
+        raise UserError(f"--fail-on-regression judged no cell: {insufficient[0]['note']}.")

@@ -1,4 +1,4 @@
-"""What every command shares: output options, list parsing, and one sentence for user errors."""
+"""What every command shares: output options, list parsing, model headers, and one sentence for user errors."""
 from __future__ import annotations
 
 import functools
@@ -7,7 +7,7 @@ import sys
 import click
 
 from engines.errors import UserError
-from engines.gguf_meta import clean_text
+from engines.gguf_meta import ModelMeta, clean_text
 from harness.analysis.tables import FORMATS
 
 FORMAT = click.option("--format", "fmt", type=click.Choice(FORMATS), default=FORMATS[0], show_default=True,
@@ -34,3 +34,16 @@ def split_list(values: str | list[str] | tuple[str, ...]) -> list[str]:
     """`a,b` or repeated flags -> [a, b] (llama-bench style lists)."""
     items = [values] if isinstance(values, str) else list(values)
     return [x.strip() for v in items for x in str(v).split(",") if x.strip()]
+
+
+def read_header(model: str) -> ModelMeta:
+    """A -m value for the commands that read only a model's header (plan, recommend), checked as every command
+    checks it: a preset without synthesizing its weights (workloads.synth.preset_meta), else the file."""
+    from harness.run.checks import check_model, read_checked
+    from workloads.synth import preset_meta, resolve_model
+
+    if not model.startswith("preset:"):
+        return read_checked(resolve_model(model))
+    meta = preset_meta(model)
+    check_model(meta)
+    return meta

@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from engines.errors import UserError
-from harness.cli.options import FORMAT, OUTPUT, user_errors
+from harness.cli.options import FORMAT, OUTPUT, read_header, user_errors
 from harness.planning.plan import ENGINES
 from harness.planning.recommend import OBJECTIVES
 
@@ -36,14 +36,12 @@ def recommend(model, vram, ram, n_ctx, objective, runs, margin, engine, n_ubatch
     import psutil
 
     from engines.devices import free_vram
-    from harness.run.checks import read_checked
     from harness.analysis.tables import render
     from harness.planning.plan import PlanSettings, make_plan
     from harness.planning.recommend import recommend_depth, table, to_json, with_cache
     from harness.units import GiB, parse_size
-    from workloads.synth import resolve_model
 
-    meta = read_checked(resolve_model(model))
+    meta = read_header(model)
     if vram:
         vram_b, vram_src = parse_size(vram, "--vram"), "given"
     elif (vram_b := free_vram()) is not None:

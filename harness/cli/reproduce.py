@@ -50,7 +50,7 @@ def reproduce(published_model, model_file, revision, engines, workloads, repetit
     # neither side gets fewer best-of tries than it had in the document.
     reps = repetitions or max(reps_published.values())
     wls = split_list(workloads) if workloads else workload_order(df["workload"])
-    spec_kw = {"threads": threads} if threads else {}
+    spec_kw = {"threads": threads} if threads is not None else {}
     spec = SweepSpec(models=[str(resolve_model(model_file))], engines=engines_, depths=[str(d) for d in depths],
                      workloads=wls, repetitions=reps, **spec_kw)      # a model file by its absolute path (run.json)
     layers = int(df["moe_layers"].iloc[0])

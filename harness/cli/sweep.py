@@ -72,8 +72,9 @@ from harness.run.spec import ROUND_ORDERS
               show_default=True, help="back-to-back: each cell's rounds one after the other (the order before "
                                       "rounds interleaved; to measure what interleaving buys).")
 @click.option("--until", default=None, metavar="PCT",
-              help="After the first rounds, run more rounds of the cells whose compared ratios are not yet precise, "
-                   "until every ratio's 95% interval is within ±PCT (e.g. 3%), or --max-rounds / --max-minutes.")
+              help="Make every compared ratio's 95% interval ±PCT (e.g. 3%) by Stein's two-stage rule: a pilot of "
+                   "5 interleaved rounds (or --rounds, if more) fixes how many rounds each pair runs; at most "
+                   "--max-rounds / --max-minutes (then the pair's achieved width is reported).")
 @click.option("--max-rounds", type=int, default=10, show_default=True, help="With --until: rounds in all.")
 @click.option("--max-minutes", type=float, default=None, help="With --until: start no round after this long.")
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
@@ -119,7 +120,7 @@ def sweep(models, engines, depths, cpu_moe, workloads, repetitions, threads, n_c
                             if v}, trace_routing=trace_routing,
                      until=parse_fraction(until, "--until") if until else None, max_rounds=max_rounds,
                      max_minutes=max_minutes,
-                     **({"threads": threads} if threads else {}))
+                     **({"threads": threads} if threads is not None else {}))
     if interleave:
         from harness.run.interleave import run_interleaved
         if any(len(v) > 1 for v in spec.knobs.values()):
@@ -156,12 +157,12 @@ def show_run(run_dir: Path, fmt: str = "table", output: str | None = None) -> No
     from harness.analysis.report import steadiness_text
     from harness.analysis.tables import render
     from harness.stats import CV_WARN
-    from harness.planning.roofline import annotate
+    from harness.planning.roofline import annotate, bound_messages
     from harness.store import results
 
     run, cells, meas, _ = results.load_frames(run_dir)
     summary = results.summarize(cells, meas)
-    summary = annotate(cells, summary, run.get("hardware_profile"))    # bound_tps, fraction (NaN without a profile)
+    summary = annotate(cells, summary, run)    # bound_tps, fraction (NaN without a profile)
     if not summary.empty:                   # rounds finish cells in a shuffled order: show the sweep's own
         summary = summary.iloc[_sweep_order(summary, run.get("spec", {}))]
     many_models = not summary.empty and summary["model_name"].nunique() > 1
@@ -174,8 +175,7 @@ def show_run(run_dir: Path, fmt: str = "table", output: str | None = None) -> No
                      **({"cv % rounds": 100 * r["tps_cv_rounds"], "cv % in proc": 100 * r["tps_cv_within"]}
                         if many_rounds else {}),
                      "n": r["tps_n"], "bound tok/s": r["bound_tps"], "% of bound": 100 * r["fraction"],
-                     "peak RAM MiB": r["peak_rss_mib"], "RAM above floor MiB": r["peak_rss_above_floor_mib"],
-                     "peak VRAM MiB": r["peak_vram_mib"]})
+                     **results.memory_cells(r)})
         if r["tps_cv"] > CV_WARN:
             split = (f": {_pct(r['tps_cv_rounds'])} between rounds, {_pct(r['tps_cv_within'])} within a process"
                      if r["rounds"] > 1 else "")
@@ -186,39 +186,49 @@ def show_run(run_dir: Path, fmt: str = "table", output: str | None = None) -> No
             click.echo(f"warning: {r['engine']} n_cpu_moe={r['n_cpu_moe']} {r['status']}: {r['error']}", err=True)
     for note in run.get("notes") or []:
         click.echo(f"note: {note}", err=True)
+    for line in bound_messages(summary):       # a cell above its bound, a cell without one: never silent
+        click.echo(line, err=True)
     render(rows, fmt, title=f"moebench {run['run_id']}", out=output,
            json_payload=results.llama_bench_records(run, cells, meas))
     if fmt in ("table", "md") and not output:
-        ratios = ratio_rows(cells, meas)
+        ratios, notes = ratio_rows(cells, meas, run)
         if ratios:
-            render(ratios, fmt, title="ratios: A / B (baseline), median tok/s, 95% interval")
+            render(ratios, fmt, title="ratios: A / B (baseline), geometric mean over the processes with its 95% "
+                                      "interval; median ratio = median tok/s / median tok/s")
+        for note in notes:
+            click.echo(f"note: no interval for a ratio of {note}.", err=True)
     if many_rounds:
         click.echo(rounds_note(run, summary, results.round_speed(meas)), err=True)
     if steadiness_text(run):
         click.echo(steadiness_text(run), err=True)
 
 
-def ratio_rows(cells, meas) -> list[dict]:
+def ratio_rows(cells, meas, run: dict | None = None) -> tuple[list[dict], set[str]]:
     """Every engine over the baseline the report picks (llama-bench or llama-cpp first), per model, depth and
-    workload: the median ratio with its 95 % interval and verdict (harness.stats.ratio_interval)."""
+    workload: the ratio with its 95 % interval and verdict, and the median ratio (harness.stats.ratio_interval,
+    paired as run.json says); and why some ratios have no interval."""
     from harness.analysis.report import Intervals, pick_engines
+    from harness.stats import fmt_ratio
 
     ok = cells[cells["status"] == "ok"]
     if ok["engine"].nunique() < 2:
-        return []
+        return [], set()
     _, b = pick_engines(sorted(ok["engine"].unique()), None, None)
-    rows = []
+    rows, notes = [], set()
     for _, mg in ok.groupby("model_fingerprint", sort=False):          # a file, not a name
-        get = Intervals(mg, meas)
+        get = Intervals(mg, meas, [run] if run else [])
         for depth, g in mg.groupby("n_cpu_moe"):                          # depths in order
             for a in [e for e in dict.fromkeys(g["engine"]) if e != b]:
                 for wl in dict.fromkeys(meas.loc[meas["cell_id"].isin(g["cell_id"]), "workload"]):
                     iv = get(a, b, depth, wl)
                     if iv:
                         rows.append({"model": g["model_name"].iloc[0], "n_cpu_moe": depth, "workload": wl,
-                                     "A / B": f"{a} / {b}", "ratio (95% CI)": iv.text(), "verdict": iv.verdict,
+                                     "A / B": f"{a} / {b}", "ratio (95% CI)": iv.text(),
+                                     "median ratio": f"{fmt_ratio(iv.median_ratio)}x"
+                                     if iv.median_ratio == iv.median_ratio else "", "verdict": iv.verdict,
                                      "over": f"{iv.n} {iv.unit}"})
-    return rows
+        notes |= get.notes
+    return rows, notes
 
 
 def _sweep_order(summary, spec: dict) -> list[int]:

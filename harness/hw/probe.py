@@ -1,30 +1,42 @@
-"""Hardware profile: the few figures the roofline needs, measured in a few seconds.
+"""Hardware profile: the figures the roofline needs, measured in a few seconds.
 
-Host: memory read and copy bandwidth (torch over 256 MiB, larger than any L3), CPU matmul
-throughput in fp32 and bf16 at the thread count used (on a CPU with AMX oneDNN runs the bf16 one on its
-tiles: the AMX peak the roofline takes for the reference engine, whose CPU compute dtype there is bf16), and
-the widest reference kernel variant the CPU runs (cpu_kernels: amx, avx512, avx2; "" without AVX2). CUDA
-(when torch sees a device): host->device bandwidth from pageable and from page-locked memory, device memory
-bandwidth, device matmul throughput (bf16, fp32), total/free VRAM. Every figure is repeated and summarized with
-harness.stats.stats (median, min, max, cv). Stored as JSON in
+Host: memory read and copy bandwidth (torch over 256 MiB on huge pages), CPU matmul throughput at the thread count
+used in each arithmetic an engine's products use (harness.planning.roofline, compute_dtype): fp32 FMA, bf16 (on a
+CPU with AMX oneDNN runs it on its tiles), int8 dot products (torch._int_mm: oneDNN's VNNI / AMX int8 kernels), and
+fp16 only where the CPU multiplies fp16 natively (elsewhere ggml and oneDNN convert fp16 to fp32 and multiply in
+fp32 lanes: the fp32 figure is that peak); the widest reference kernel variant the CPU runs (cpu_kernels: amx,
+avx512, avx2; "" without AVX2). CUDA (when torch sees a device): host->device bandwidth from pageable and from
+page-locked memory, device memory bandwidth, device matmul throughput (bf16, f16, fp32, int8), total/free VRAM.
+Every figure is repeated and summarized with harness.stats.stats (median, min, max, cv). Stored as JSON in
 <cache>/hardware/<hostname>.json (MOEBENCH_CACHE moves <cache>) and embedded in each run.json.
+
+The decode bound divides by the read bandwidth of the run itself (read_bandwidth: run.json["bandwidth"]), at each
+thread count its cells use, over a buffer far larger than the CPU caches, best of a few passes: a bound must be an
+upper bound, so the probe has to read at least as fast as any engine can.
 """
 from __future__ import annotations
 
 import json
 import os
+import platform
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 
-SCHEMA = 1
+SCHEMA = 2          # 2: int8 (and native fp16) matmul peaks; profiles without them are measured again
 # figure -> unit; the roofline reads these names
 UNITS = {"host_read_gbps": "GB/s", "host_copy_gbps": "GB/s", "cpu_matmul_fp32_gflops": "GFLOP/s",
-         "cpu_matmul_bf16_gflops": "GFLOP/s", "h2d_pageable_gbps": "GB/s", "h2d_pinned_gbps": "GB/s",
-         "gpu_mem_gbps": "GB/s", "gpu_matmul_bf16_gflops": "GFLOP/s", "gpu_matmul_fp32_gflops": "GFLOP/s"}
+         "cpu_matmul_bf16_gflops": "GFLOP/s", "cpu_matmul_f16_gflops": "GFLOP/s", "cpu_matmul_int8_gops": "GOP/s",
+         "h2d_pageable_gbps": "GB/s", "h2d_pinned_gbps": "GB/s", "gpu_mem_gbps": "GB/s",
+         "gpu_matmul_bf16_gflops": "GFLOP/s", "gpu_matmul_f16_gflops": "GFLOP/s", "gpu_matmul_fp32_gflops": "GFLOP/s",
+         "gpu_matmul_int8_gops": "GOP/s"}
+FP16_ARITH_FLAGS = frozenset({"avx512_fp16", "amx_fp16"})    # x86 instructions that multiply fp16 as fp16
+READ_MIN_BYTES, READ_MAX_BYTES = 2**30, 4 * 2**30
+READ_PASSES = 4
 
 
 def _timed(fn: Callable[[], object], reps: int, sync: Callable[[], None] = lambda: None) -> list[float]:
@@ -56,14 +68,94 @@ def steadiness(mib: int = 128, reps: int = 5) -> dict:
     return {"at": datetime.now(timezone.utc).isoformat(), "read_gbps": round(x.nbytes / best / 1e9, 3)}
 
 
-def _matmul_gflops(torch, dtype, device: str, n: int, reps: int, sync) -> list[float]:
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    return [2 * n**3 / t / 1e9 for t in _timed(lambda: a @ b, reps, sync)]
+def read_buffer_bytes() -> int:
+    """The read probe's buffer: max(1 GiB, 16 x all the host's caches), so a cache serves at most 1/16 of a pass;
+    at most 4 GiB (a few seconds to fill) and a quarter of the free RAM."""
+    import psutil
+
+    from harness.hw.host import cache_mib
+
+    want = min(max(READ_MIN_BYTES, 16 * (cache_mib() or 0) * 2**20), READ_MAX_BYTES)
+    return int(min(want, psutil.virtual_memory().available // 4)) // 2**20 * 2**20
+
+
+def read_bandwidth(threads: Iterable[int], passes: int = READ_PASSES, nbytes: int | None = None) -> dict:
+    """run.json["bandwidth"]: the memory read bandwidth now at each of `threads` thread counts (GB/s, keyed by the
+    count as a string), over one buffer of `nbytes` (read_buffer_bytes) split into a contiguous part per thread.
+    Each pass reads the whole buffer once with each of two numpy reductions (integer max, float sum: of the
+    reductions tried, as fast as torch's sum and amax and faster than a torch matrix-vector product, a decode step's
+    kernel; numpy releases the GIL, so a thread pool reads in parallel without importing torch into the sweep). The
+    buffer is numpy's, which asks for transparent huge pages, as the reference engine's hugepage-copy weights get
+    them: the same reads from 4 KiB pages (torch's allocations) ran a quarter slower on an EPYC VM (26 against 35
+    GB/s at one thread), a probe too slow for such an engine. A thread count's figure is its best pass: about a
+    second for one count on a 1 GiB buffer. Never raises (a sweep never fails for its roofline): {"error": ...}
+    instead."""
+    import numpy as np
+
+    try:
+        counts = sorted(set(threads))
+        nbytes = nbytes or read_buffer_bytes()
+        t0 = time.perf_counter()
+        x = np.empty(nbytes // 8, dtype=np.int64)
+        with ThreadPoolExecutor(max(counts)) as pool:
+            # written: untouched pages would all map the zero page
+            list(pool.map(lambda c: c.fill(1), np.array_split(x, max(counts))))
+            ops = (np.max, lambda c: c.view(np.float64).sum())
+            out = {}
+            for n in counts:
+                chunks = np.array_split(x, n)
+                best = float("inf")
+                for _ in range(passes):
+                    for op in ops:
+                        t = time.perf_counter()
+                        list(pool.map(op, chunks))
+                        best = min(best, time.perf_counter() - t)
+                out[str(n)] = round(x.nbytes / best / 1e9, 3)
+        return {"threads": out, "buffer_mib": x.nbytes / 2**20, "seconds": round(time.perf_counter() - t0, 2),
+                "method": f"numpy max (int64) and sum (float64), one contiguous part per thread, best of {passes} "
+                          f"passes each"}
+    except Exception as e:          # noqa: BLE001 - memory or threads short: the bound falls back, marked
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def fp16_arith() -> bool | None:
+    """Whether this CPU multiplies fp16 as fp16 (x86: AVX512-FP16 or AMX-FP16); None where this is not known
+    (not x86)."""
+    from engines.devices import cpu_flags
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    return bool(cpu_flags() & FP16_ARITH_FLAGS)
+
+
+def matmul_shapes(threads: int, quick: bool = False) -> list[tuple[int, int, int]]:
+    """The (m, k, n) products a CPU matmul peak is the best of: large enough that the kernels run at their peak (1024
+    fell short of it with int8 at 2 threads); square and prefill-shaped (n/4 rows: a 512-token ubatch, into and out
+    of an expert 3n/8 wide), as the shapes' rates differ by a few % and a peak must be the best of them."""
+    n = 1024 if quick else 2048 if threads <= 16 else 4096
+    return [(n, n, n), (n // 4, n, n), (n // 4, n, 3 * n // 8), (n // 4, 3 * n // 8, n)]
+
+
+def matmul_rates(torch, dtype, device: str, shapes: list[tuple[int, int, int]], reps: int,
+                 sync: Callable[[], None] = lambda: None) -> list[float]:
+    """(m x k) @ (k x n) products of `dtype` per second for each (m, k, n) of `shapes`, `reps` each, in G(FL)OP: 2
+    operations a multiply-add. int8: torch._int_mm (int32 results), the kernel oneDNN runs with VNNI / AMX int8
+    instructions."""
+    out = []
+    for m, k, n in shapes:
+        if dtype == torch.int8:
+            a, b = (torch.randint(-128, 128, s, dtype=torch.int8, device=device) for s in ((m, k), (k, n)))
+            run = lambda: torch._int_mm(a, b)     # noqa: E731
+        else:
+            a, b = (torch.randn(*s, device=device).to(dtype) for s in ((m, k), (k, n)))
+            run = lambda: a @ b                   # noqa: E731
+        out += [2 * m * k * n / t / 1e9 for t in _timed(run, reps, sync)]
+    return out
 
 
 def measure(threads: int | None = None, quick: bool = False) -> dict:
     """Run every measurement that this machine supports; returns the profile dict."""
+    import numpy as np
     import psutil
     import torch
 
@@ -73,14 +165,19 @@ def measure(threads: int | None = None, quick: bool = False) -> dict:
     size = (64 if quick else 256) * 2**20
     figs: dict[str, list[float]] = {}
 
-    x = torch.empty(size // 4, dtype=torch.float32).uniform_()
-    y = torch.empty_like(x)
+    # numpy's buffers: on transparent huge pages, as read_bandwidth's (torch's own 4 KiB pages read slower)
+    x, y = (torch.from_numpy(np.ones(size // 4, dtype=np.float32)) for _ in range(2))
     figs["host_read_gbps"] = [size / t / 1e9 for t in _timed(lambda: x.sum(), reps)]
     figs["host_copy_gbps"] = [2 * size / t / 1e9 for t in _timed(lambda: y.copy_(x), reps)]   # read + write
     y = None                 # frees the 256 MiB before the matmuls
-    n = 512 if quick else 1024
-    figs["cpu_matmul_fp32_gflops"] = _matmul_gflops(torch, torch.float32, "cpu", n, reps, lambda: None)
-    figs["cpu_matmul_bf16_gflops"] = _matmul_gflops(torch, torch.bfloat16, "cpu", n, reps, lambda: None)
+    shapes = matmul_shapes(threads, quick)
+    cpu = {"cpu_matmul_fp32_gflops": torch.float32, "cpu_matmul_bf16_gflops": torch.bfloat16,
+           "cpu_matmul_int8_gops": torch.int8} | ({"cpu_matmul_f16_gflops": torch.float16} if fp16_arith() else {})
+    for name, dtype in cpu.items():
+        try:
+            figs[name] = matmul_rates(torch, dtype, "cpu", shapes, reps)
+        except RuntimeError:     # a torch without this CPU kernel: the figure is absent, its bound NaN
+            pass
 
     gpu: dict = {}
     if torch.cuda.is_available():
@@ -94,14 +191,18 @@ def measure(threads: int | None = None, quick: bool = False) -> dict:
                                                                   sync)]
         figs["gpu_mem_gbps"] = [2 * size / t / 1e9 for t in _timed(lambda: dev2.copy_(dev), reps, sync)]
         del dev, dev2, pinned
-        figs["gpu_matmul_bf16_gflops"] = _matmul_gflops(torch, torch.bfloat16, "cuda", 4096, reps, sync)
-        figs["gpu_matmul_fp32_gflops"] = _matmul_gflops(torch, torch.float32, "cuda", 4096, reps, sync)
+        for name, dtype in (("gpu_matmul_bf16_gflops", torch.bfloat16), ("gpu_matmul_f16_gflops", torch.float16),
+                            ("gpu_matmul_fp32_gflops", torch.float32), ("gpu_matmul_int8_gops", torch.int8)):
+            try:
+                figs[name] = matmul_rates(torch, dtype, "cuda", [(4096, 4096, 4096)], reps, sync)
+            except RuntimeError:
+                pass
         free, total = torch.cuda.mem_get_info()
         gpu = {"gpu_name": torch.cuda.get_device_name(0), "vram_total_mib": total / 2**20,
                "vram_free_mib": free / 2**20}
     from engines.devices import widest_isa
     return {"schema_version": SCHEMA, "hostname": socket.gethostname(), "threads": threads, "cpu_kernels": widest_isa(),
-            "cores_physical": psutil.cpu_count(logical=False), "quick": quick,
+            "cores_physical": psutil.cpu_count(logical=False), "quick": quick, "cpu_fp16_arith": fp16_arith(),
             "created": datetime.now(timezone.utc).isoformat(), "torch": torch.__version__,
             "cuda": torch.cuda.is_available(), **gpu,
             "figures": {k: _summary(v, UNITS[k]) for k, v in figs.items()}}

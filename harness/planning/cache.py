@@ -78,7 +78,7 @@ def study(label: str, trace: Trace, budgets: list[float], policies: list[str] | 
     if bad:
         raise UserError(f"unknown --policy {bad[0]!r}; pick from {', '.join(POLICIES)}")
     if not budgets or any(b < 0 for b in budgets):
-        raise UserError("--vram needs cache sizes in MiB >= 0, e.g. --vram 256,1024,4096")
+        raise UserError("--vram needs cache sizes >= 0, e.g. --vram 256MiB,1GiB,4GiB")
     host = cs.host_layers(trace, n_cpu_moe)
     steps = cs.steps_of(trace, host)
     results = []

@@ -3,10 +3,15 @@
 For every depth N in 0..n_layers (the `--n-cpu-moe N` rule of engines.base):
   accelerator = non-expert weights + routed experts of layers >= N + KV cache + compute buffers
                 (+ the reference engine's expert staging buffer, + a calibrated runtime overhead)
-  host        = routed experts of layers < N
+  host        = routed experts of layers < N (+ llama.cpp's input layer on CUDA)
 Bytes are what the engine holds: both engines keep every weight as the file stores it (quantized stays
 quantized; engines/reference/weights.py); so do their KV caches on a CPU (f16, llama.cpp's default), on CUDA
-the reference engine's holds its compute dtype. When measured cells of the same model exist (cells.csv, same
+the reference engine's holds its compute dtype. The host figure is anonymous memory, the RAM an engine needs
+(cells.csv's peak_rss_anon_mib): on CUDA both engines copy host weights into page-locked memory; on a CPU-only
+host (device cpu: no accelerator, every byte in host RAM) weights read through the file mapping are file-backed
+pages (page cache: reclaimable, but what keeps an mmap'd model fast), planned apart as mapped bytes, and
+everything copied (llama.cpp's extra buffer types, the reference engine's huge-page and repacked copies), the KV
+cache and the compute buffers is anonymous. When measured cells of the same model exist (cells.csv, same
 model_fingerprint and engine), the estimate is calibrated from them and the plan says so.
 """
 from __future__ import annotations
@@ -35,7 +40,7 @@ class PlanSettings:
     n_ubatch: int = 512
     n_batch: int = 2048
     flash_attn: str = "auto"     # on | off | auto (auto: llama.cpp enables it on CPU and CUDA)
-    device: str = "cuda"         # the accelerator planned for; the reference engine picks its dtype from it
+    device: str = "cuda"         # the accelerator planned for (cpu: none); the reference engine picks its dtype from it
     dtype: str = "auto"          # reference engine compute dtype; auto = the engine's own rule
     mmap: bool = True            # llama.cpp on a CPU: the file's pages mapped (else loaded into its CPU buffer)
     repack: bool = True          # llama.cpp on a CPU: its extra buffer types (AMX, CPU_REPACK) for this CPU
@@ -167,16 +172,27 @@ class DepthPlan:
     input_host_bytes: int = 0   # llama.cpp on CUDA keeps the token embedding (a row lookup) in host RAM
     cpu_copy_bytes: int = 0     # llama.cpp on a CPU: what its extra buffer types (AMX with its padding, CPU_REPACK)
                                 # hold beyond the file's bytes (copies of weights whose file pages stay mapped),
-                                # less the blocks it does not load (multi-token prediction)
+                                # less the blocks it does not load (multi-token prediction; the reference engine too)
+    mapped_bytes: int = 0       # CPU-only: weights read through the file mapping (mapped_bytes): file-backed pages
+    cpu_only: bool = False      # no accelerator: every part is in host RAM (the parts keep their placement roles)
 
     @property
-    def accel_bytes(self) -> int:
+    def _placed_accel(self) -> int:
         return (self.non_expert_bytes + self.expert_accel_bytes + self.kv_bytes + self.compute_bytes
                 + self.staging_bytes + self.overhead_bytes + self.cpu_copy_bytes)
 
     @property
+    def accel_bytes(self) -> int:
+        """Bytes on the accelerator (0 on a CPU-only host)."""
+        return 0 if self.cpu_only else self._placed_accel
+
+    @property
     def host_bytes(self) -> int:
-        return self.expert_host_bytes + self.input_host_bytes
+        """Host RAM the engine needs as anonymous memory (peak_rss_anon_mib less the runtime, which the calibrated
+        overhead holds): on CUDA the host experts and llama.cpp's input layer, page-locked copies; CPU-only every
+        part but the mapped file pages."""
+        host = self.expert_host_bytes + self.input_host_bytes
+        return self._placed_accel + host - self.mapped_bytes if self.cpu_only else host
 
     @property
     def expert_host_fraction(self) -> float:
@@ -188,7 +204,7 @@ class DepthPlan:
 class Calibration:
     n_cells: int
     runs: list[str]
-    peak: str                          # peak_vram_mib (GPU runs) or peak_rss_mib (CPU-only runs)
+    peak: str                          # peak_vram_mib (GPU runs) or peak_rss_anon_mib (CPU-only runs)
     compute_scale: float | None        # measured / estimated compute buffer (llama.cpp reports it)
     overhead_bytes: int                # max over cells of measured peak - predicted total
 
@@ -215,8 +231,8 @@ class Plan:
         return [{"n_cpu_moe": d.n_cpu_moe, "accel MiB": d.accel_bytes / MIB, "non-expert MiB": d.non_expert_bytes / MIB,
                  "experts accel MiB": d.expert_accel_bytes / MIB, "KV MiB": d.kv_bytes / MIB,
                  "compute MiB": (d.compute_bytes + d.staging_bytes + d.overhead_bytes) / MIB,
-                 "CPU copies MiB": d.cpu_copy_bytes / MIB,
-                 "host MiB": d.host_bytes / MIB, "expert host %": 100 * d.expert_host_fraction}
+                 "CPU copies MiB": d.cpu_copy_bytes / MIB, "host RAM MiB (anon)": d.host_bytes / MIB,
+                 "host file-backed MiB": d.mapped_bytes / MIB, "expert host %": 100 * d.expert_host_fraction}
                 for d in self.depths]
 
     def to_dict(self) -> dict:
@@ -228,6 +244,15 @@ class Plan:
                                          "host_bytes": d.host_bytes} for d in self.depths]}
 
 
+def loaded_tensors(meta: ModelMeta) -> list:
+    """The tensors an engine loads: not the last nextn_predict_layers blocks, multi-token-prediction blocks that
+    llama.cpp ignores ("model has unused tensor ... -- ignoring": in no buffer at all) and the reference engine
+    never holds (past its trunk)."""
+    first_mtp = meta.n_layers - int(meta.get("nextn_predict_layers") or 0)
+    block = lambda name: int(name.split(".")[1]) if re.match(r"blk\.\d+\.", name) else -1
+    return [t for t in meta.tensors if block(t.name) < first_mtp]
+
+
 def cpu_buffers(meta: ModelMeta, s: PlanSettings) -> dict[str, int]:
     """llama.cpp on a CPU host: its model buffers by type, as its load log reports them, at any depth (experts
     --n-cpu-moe overrides to the CPU get its extra buffer types too). Weights its extra buffer types take
@@ -237,11 +262,7 @@ def cpu_buffers(meta: ModelMeta, s: PlanSettings) -> dict[str, int]:
     bufts = ggml_build.cpu_bufts() if s.repack else {}
     out: dict[str, int] = {}
     plain = []
-    # the last nextn_predict_layers blocks are multi-token-prediction blocks, which llama.cpp does not load
-    # ("model has unused tensor ... -- ignoring"): in no buffer at all
-    first_mtp = meta.n_layers - int(meta.get("nextn_predict_layers") or 0)
-    block = lambda name: int(name.split(".")[1]) if re.match(r"blk\.\d+\.", name) else -1
-    for t in (t for t in meta.tensors if block(t.name) < first_mtp):
+    for t in loaded_tensors(meta):
         where = ggml_build.extra_buft(t.name, t.ne, t.ggml_type, bufts)
         if where:
             out[where[0]] = out.get(where[0], 0) + t.n_bytes + where[1]
@@ -262,24 +283,60 @@ def cpu_buffers(meta: ModelMeta, s: PlanSettings) -> dict[str, int]:
 
 
 def _copies(meta: ModelMeta, s: PlanSettings) -> int:
-    """cpu_buffers beyond the file's weight bytes (0 where llama.cpp uses no extra buffer types: on CUDA builds it
-    holds CPU weights in host buffers)."""
-    if s.engine != "llama-cpp" or s.device.startswith("cuda"):
+    """On a CPU-only host, what the engine holds beyond the file's weight bytes: llama.cpp's cpu_buffers (its extra
+    buffer types' copies), less the blocks neither engine loads (0 on CUDA, where llama.cpp uses no extra buffer
+    types: its builds hold CPU weights in host buffers)."""
+    if s.device.startswith("cuda"):
         return 0
-    return sum(cpu_buffers(meta, s).values()) - sum(t.n_bytes for t in meta.tensors)
+    held = cpu_buffers(meta, s).values() if s.engine == "llama-cpp" else [t.n_bytes for t in loaded_tensors(meta)]
+    return sum(held) - sum(t.n_bytes for t in meta.tensors)
 
 
-def _depth(mb: ModelBytes, s: PlanSettings, n: int, compute: int, overhead: int = 0, copies: int = 0) -> DepthPlan:
+def mapped_bytes(meta: ModelMeta, s: PlanSettings) -> int:
+    """Weight bytes an engine reads through its mapping of the file on a CPU-only host: file-backed pages (page
+    cache, which the kernel can reclaim and read again from the file), not anonymous RAM. llama.cpp with mmap: its
+    CPU_Mapped range (cpu_buffers; the weights its extra buffer types copy out of that range are resident there
+    too, as they were read from it). The reference engine (with its default hugepages and repack): an untied token
+    embedding (read a row at a time) and the matrices it neither repacks nor copies onto huge pages (under 2 MiB,
+    in a type or shape its kernels take as stored: QuantKernels.host_layout; weights.Holder). 0 on CUDA, where
+    both engines copy host weights into page-locked memory."""
+    if s.device.startswith("cuda"):
+        return 0
+    if s.engine == "llama-cpp":
+        return cpu_buffers(meta, s).get("CPU_Mapped", 0)
+    import torch
+
+    from engines.devices import cpu_isa
+    from engines.reference.kernels import QuantKernels
+    from engines.reference.qtensor import QTensor
+    from engines.reference.weights import HUGE
+
+    kernels, none = QuantKernels(None, cpu_isa()), torch.empty(0, dtype=torch.uint8)   # host_layout's rule only
+    tied = not any(t.name == "output.weight" for t in meta.tensors)
+    mapped = 0
+    for t in loaded_tensors(meta):
+        if t.name == "token_embd.weight" and not tied:
+            mapped += t.n_bytes
+        elif (len(t.ne) > 1 and not t.name.endswith(".bias") and t.n_bytes < HUGE
+              and kernels.host_layout(QTensor(none, t.ggml_type, t.shape)) == "ggml"):
+            mapped += t.n_bytes
+    return mapped
+
+
+def _depth(mb: ModelBytes, s: PlanSettings, n: int, compute: int, overhead: int = 0, copies: int = 0,
+           mapped: int = 0) -> DepthPlan:
     llama_cuda = s.engine == "llama-cpp" and s.device.startswith("cuda")
     embed = mb.embed if llama_cuda else 0       # llama.cpp's input layer lives on the CPU (llama-model.cpp)
     if llama_cuda and n and min(s.n_ubatch, s.n_batch) >= 32:
         # op offload: a batch of >= 32 tokens copies an offloaded layer's experts into the GPU compute buffer
         compute += max(mb.expert_by_layer[:n])
     return DepthPlan(n, mb.non_expert - embed, mb.experts(n), mb.experts(0, n), kv_cells(s) * mb.kv_per_cell + mb.state,
-                     compute, staging_bytes(mb, s, n), overhead, embed, copies)
+                     compute, staging_bytes(mb, s, n), overhead, embed, copies, mapped, not s.device.startswith("cuda"))
 
 
-def _cell_settings(s: PlanSettings, c: dict) -> PlanSettings:
+def cell_settings(s: PlanSettings, c: dict) -> PlanSettings:
+    """`s` with the settings a measured cell (a cells.csv row) ran with: its context and batch sizes, the
+    reference engine's device and dtype, llama.cpp's mmap and extra buffer types."""
     eff = json.loads(c.get("effective_settings") or "{}")
     out = replace(s, n_ctx=int(c["n_ctx"]), n_ubatch=int(c["n_ubatch"]), n_batch=int(c["n_batch"]),
                   flash_attn=c.get("flash_attn") or s.flash_attn)
@@ -299,33 +356,34 @@ def _num(v) -> float:
 
 def calibrate(meta: ModelMeta, s: PlanSettings, runs: list[Path]) -> Calibration | None:
     """From ok cells of the same model and engine: the ratio of llama.cpp's reported compute buffer to
-    the estimate, and the residual (measured peak - predicted weights, KV, compute) as runtime overhead.
-    The peak is VRAM when the run had a GPU, else RSS (then the "accelerator" is the CPU: all bytes count)."""
+    the estimate, and the residual (measured peak - predicted weights, KV, copies) as runtime overhead.
+    The peak is VRAM when the run had a GPU, else the anonymous RSS (a CPU-only cell: every part but the mapped
+    file pages; cells written before the RSS split give no residual)."""
     from harness.store import results
 
-    scales, residuals, used, peak_name = [], [], set(), "peak_rss_mib"
+    scales, residuals, used, peak_name = [], [], set(), "peak_rss_anon_mib"
     for run in runs:
         for c in results.read_csv(run, "cells.csv"):
             if c["model_fingerprint"] != meta.fingerprint or c["engine"] != s.engine or c["status"] != "ok":
                 continue
-            cs = _cell_settings(s, c)
-            mb = model_bytes(meta, cs)
-            est = compute_estimate(meta, cs)
-            d = _depth(mb, cs, int(c["n_cpu_moe"]), est, copies=_copies(meta, cs))
-            vram, rss = _num(c.get("peak_vram_mib")), _num(c.get("peak_rss_mib"))
+            vram = _num(c.get("peak_vram_mib"))
             gpu = not math.isnan(vram)
+            cs = cell_settings(s, c)
+            if gpu != cs.device.startswith("cuda"):       # where the cell ran, whatever the plan is for
+                cs = replace(cs, device="cuda" if gpu else "cpu")
+            est = compute_estimate(meta, cs)
             by_dev = json.loads(c.get("bytes_by_device") or "{}")
             measured = sum(v for k, v in by_dev.items() if k.startswith("compute:")
                            and not (gpu and ("CPU" in k or "Host" in k)))
             if measured > 0:
                 scales.append(measured / est)
-            peak = vram if gpu else rss
+            peak = vram if gpu else _num(c.get("peak_rss_anon_mib"))
             if math.isnan(peak):
                 continue
-            predicted = d.non_expert_bytes + d.expert_accel_bytes + d.kv_bytes + d.staging_bytes + d.cpu_copy_bytes
-            predicted += 0 if gpu else d.expert_host_bytes
-            peak_name = "peak_vram_mib" if gpu else "peak_rss_mib"
-            residuals.append((peak * MIB - predicted, est))
+            d = _depth(model_bytes(meta, cs), cs, int(c["n_cpu_moe"]), 0, copies=_copies(meta, cs),
+                       mapped=mapped_bytes(meta, cs))       # no compute: the residual keeps it, scaled below
+            peak_name = "peak_vram_mib" if gpu else "peak_rss_anon_mib"
+            residuals.append((peak * MIB - (d.accel_bytes if gpu else d.host_bytes), est))
             used.add(Path(run).name)
     if not residuals:
         return None
@@ -347,6 +405,6 @@ def make_plan(meta: ModelMeta, s: PlanSettings, runs: list[Path] | None = None) 
     cal = calibrate(meta, s, runs or [])
     compute = int(est * (cal.compute_scale or 1.0)) if cal else est
     overhead = cal.overhead_bytes if cal else 0
-    copies = _copies(meta, s)
-    depths = [_depth(mb, s, n, compute, overhead, copies) for n in range(meta.n_layers + 1)]
+    copies, mapped = _copies(meta, s), mapped_bytes(meta, s)
+    depths = [_depth(mb, s, n, compute, overhead, copies, mapped) for n in range(meta.n_layers + 1)]
     return Plan(meta, s, mb, kv_cells(s), est, depths, cal)

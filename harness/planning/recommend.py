@@ -3,23 +3,26 @@
 Feasible depths come from the memory plan (harness.planning.plan): accelerator bytes + margin <= VRAM and
 host bytes <= RAM. Without measurements the answer is the smallest feasible depth (each offloaded
 layer costs decode speed: the published advice). With measured runs of the same model and engine it
-is the best measured feasible depth for the objective; unmeasured depths get a predicted range
-(between their measured neighbours, scaled by the roofline beyond the measured ones, and never
-above the roofline bound). Failed cells are shown and never recommended.
+is the best measured feasible depth for the objective, where depths within noise of the fastest (every 95 %
+interval of their tok/s ratio, harness.stats.ratio_interval, holds 1) are ties that go to the one needing the
+least VRAM; unmeasured depths get a predicted range (between their measured neighbours, scaled by the roofline
+beyond the measured ones, and never above the roofline bound). Failed cells are shown and never recommended.
+Runs measured without a GPU are refused: the plan is for a GPU, and on the CPU alone every depth runs the same
+work on the same device, so their differences say nothing about the depths on a GPU.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engines.errors import UserError
 from harness.planning.plan import Plan
-from harness.stats import stats
+from harness.stats import ratio_interval
 from harness.units import GiB
 
 OBJECTIVES = ("decode", "prefill", "balanced")
-TIE_REL = 0.01      # scores within 1% of the best are a tie; the deepest of them wins (same speed, more VRAM free)
 NAN = float("nan")
 
 
@@ -52,6 +55,7 @@ class Recommendation:
     notes: list[str] = field(default_factory=list)
     cache_pick: object = None         # the depth plus cache size the trace favours (CacheAdvice)
     cache_policy: str = ""
+    ties: list[int] = field(default_factory=list)   # the measured depths within noise of the pick (it included)
 
 
 def _geomean(values: list[float]) -> float:
@@ -63,33 +67,90 @@ def _kinds(objective: str) -> tuple[str, ...]:
     return ("decode", "prefill") if objective == "balanced" else (objective,)
 
 
-def load_measured(runs: list[Path], fingerprint: str, engine: str):
-    """(per-depth workload medians of ok cells, per-depth failure status, a representative ok cell,
-    the first hardware_profile found in the runs' run.json, the measured n_ctx values)."""
-    from harness.store import results
+@dataclass
+class Measured:
+    """The runs' ok cells of one model and engine, per depth and workload: tok/s grouped by process (the last
+    cell that measured it), and what recommend needs besides."""
+    groups: dict[int, dict[str, dict]] = field(default_factory=dict)    # depth -> workload -> {round: [tok/s]}
+    source: dict[int, tuple[int, bool]] = field(default_factory=dict)   # depth -> (run index, its rounds pair up)
+    failed: dict[int, str] = field(default_factory=dict)
+    rep: dict | None = None                  # a representative ok cell
+    profile: dict | None = None              # the first hardware_profile in the runs' run.json
+    ctxs: set[int] = field(default_factory=set)
+    cpu_only: bool = False                   # an ok cell ran without a GPU
 
-    medians: dict[int, dict[str, float]] = {}
-    failed: dict[int, str] = {}
-    rep, profile, ctxs, seen = None, None, set(), 0
-    for run in runs:
+    def median(self, n: int, w: str) -> float:
+        import numpy as np
+        return float(np.median([v for vs in self.groups[n][w].values() for v in vs]))
+
+    def interval(self, a: int, b: int, w: str):
+        """depth a / depth b on workload w with its interval (harness.stats.ratio_interval); rounds pair up when
+        both come from one run whose rounds interleaved."""
+        (ra, pa), (rb, _) = self.source[a], self.source[b]
+        return ratio_interval(self.groups[a][w], self.groups[b][w], paired=ra == rb and pa)
+
+
+def _ran_without_gpu(c: dict) -> bool:
+    """A cells.csv row that says what it ran on (effective settings) and used no GPU (roofline.shape_of; llama-bench
+    names its backends)."""
+    from harness.planning import roofline
+
+    eff = c.get("effective_settings")
+    eff = json.loads(eff) if isinstance(eff, str) and eff else {}
+    return bool(eff) and not roofline.shape_of(c).gpu and "CUDA" not in str(eff.get("backends", "")).upper()
+
+
+def load_measured(runs: list[Path], fingerprint: str, engine: str) -> Measured:
+    from harness.planning import roofline
+    from harness.store import results
+    from harness.store.history import pairing
+
+    m = Measured()
+    seen = 0
+    for i, run in enumerate(runs):
         info, cells, meas, _ = results.load_frames(run)
-        profile = profile or info.get("hardware_profile")
+        m.profile = m.profile or roofline.hardware(info)
+        pairs = pairing(info)["paired"]
         cells = cells[(cells["model_fingerprint"] == fingerprint) & (cells["engine"] == engine)]
         seen += len(cells)
         for c in cells.to_dict("records"):
             n = int(c["n_cpu_moe"])
             if c["status"] != "ok":
-                failed.setdefault(n, str(c["status"]))
+                m.failed.setdefault(n, str(c["status"]))
                 continue
-            rep = rep or c
-            ctxs.add(int(c["n_ctx"]))
-            m = meas[meas["cell_id"] == c["cell_id"]]
-            for wl, g in m.groupby("workload"):
-                medians.setdefault(n, {})[wl] = float(stats(g["tokens_per_s"])["median"])
+            m.rep = m.rep or c
+            m.cpu_only = m.cpu_only or _ran_without_gpu(c)
+            m.ctxs.add(int(c["n_ctx"]))
+            m.source[n] = (i, pairs)
+            rows = meas[meas["cell_id"] == c["cell_id"]]
+            for wl, g in rows.groupby("workload"):
+                m.groups.setdefault(n, {})[wl] = results.round_groups(g)
     if runs and not seen:
         raise UserError(f"The --results runs hold no {engine} cells of this model (fingerprint {fingerprint}); "
                         "pass runs of the same model file or choose the --engine they measured.")
-    return medians, {n: s for n, s in failed.items() if n not in medians}, rep, profile, ctxs
+    if m.cpu_only:
+        raise UserError(f"The --results runs measured {engine} without a GPU, and recommend plans for a GPU's VRAM: "
+                        "with no GPU every depth runs on the CPU, so their speeds do not rank the depths on a GPU; "
+                        "measure on the GPU you plan for, or leave --results out.")
+    m.failed = {n: s for n, s in m.failed.items() if n not in m.groups}
+    return m
+
+
+def _ties(m: Measured, top: DepthRow, rows: list[DepthRow], workloads: list[str]) -> tuple[list[DepthRow], list]:
+    """The rows within noise of `top` (top included): the interval of their ratio holds 1 on every workload of the
+    objective that gives one; and the rows no workload gives an interval for (too few samples)."""
+    tied, unknown = [top], []
+    for r in rows:
+        if r is top:
+            continue
+        ivs = [m.interval(top.n_cpu_moe, r.n_cpu_moe, w) for w in workloads
+               if w in m.groups[top.n_cpu_moe] and w in m.groups[r.n_cpu_moe]]
+        ivs = [iv for iv in ivs if not math.isnan(iv.low)]
+        if not ivs:
+            unknown.append(r)
+        elif all(iv.low <= 1 <= iv.high for iv in ivs):
+            tied.append(r)
+    return tied, unknown
 
 
 def _predict(n: int, values: dict[int, float], bounds: dict[int, float]) -> tuple[float, float]:
@@ -129,7 +190,9 @@ def recommend_depth(plan: Plan, objective: str, vram: int, ram: int, margin: int
             why.append(f"needs {d.host_bytes / GiB:.2f} GiB RAM")
         rows.append(DepthRow(d.n_cpu_moe, d.accel_bytes, d.host_bytes, not why, "; ".join(why)))
 
-    medians, failed, rep, profile, ctxs = load_measured(runs or [], meta.fingerprint, s.engine)
+    m = load_measured(runs or [], meta.fingerprint, s.engine)
+    rep, profile, ctxs, failed = m.rep, m.profile, m.ctxs, m.failed
+    medians = {n: {w: m.median(n, w) for w in per} for n, per in m.groups.items()}
     notes = []
     if ctxs and ctxs != {s.n_ctx}:
         notes.append(f"measured at n_ctx {', '.join(map(str, sorted(ctxs)))}, planned for {s.n_ctx}")
@@ -175,7 +238,7 @@ def recommend_depth(plan: Plan, objective: str, vram: int, ram: int, margin: int
 
     feasible = [r for r in rows if r.fits]
     scored = [r for r in feasible if not math.isnan(r.score)]
-    rec, smallest = None, None
+    rec, smallest, ties = None, None, []
     if not feasible:
         fit_ram = [r for r in rows if r.host_bytes <= ram]
         if fit_ram:
@@ -187,16 +250,22 @@ def recommend_depth(plan: Plan, objective: str, vram: int, ram: int, margin: int
             need = min(r.host_bytes for r in rows)
             why = f"nothing fits: every depth needs more RAM than {ram / GiB:.2f} GiB (at least {need / GiB:.2f} GiB)"
     elif scored:
-        top = max(r.score for r in scored)
-        tied = [r for r in scored if r.score >= top * (1 - TIE_REL)]
-        pick = max(tied, key=lambda r: r.n_cpu_moe)
-        rec = pick.n_cpu_moe
+        top = max(scored, key=lambda r: (r.score, -r.accel_bytes))
+        kind_ws = [w for w in workloads if kind_of[w] in _kinds(objective)]
+        tied, unknown = _ties(m, top, scored, kind_ws)
+        pick = min(tied, key=lambda r: (r.accel_bytes, -r.n_cpu_moe))       # more offload, less VRAM
+        rec, ties = pick.n_cpu_moe, sorted(r.n_cpu_moe for r in tied)
         figs = ", ".join(f"{k} {pick.measured[k]:,.1f} tok/s" for k in _kinds(objective) if k in pick.measured)
-        why = f"n_cpu_moe={rec} is the fastest measured depth that fits for {objective} ({figs})"
-        if len(tied) > 1:
-            why += (f"; it ties within {TIE_REL:.0%} with "
-                    f"n_cpu_moe={', '.join(str(r.n_cpu_moe) for r in tied if r is not pick)}"
-                    " and keeps the most VRAM free")
+        if len(tied) == 1:
+            why = f"n_cpu_moe={rec} is the fastest measured depth that fits for {objective} ({figs})"
+        else:
+            names = ", ".join(map(str, ties[:-1])) + f" and {ties[-1]}"
+            why = (f"n_cpu_moe={names} are within noise of each other for {objective} (every 95% interval of their "
+                   f"tok/s ratio holds 1); picked {rec}, the one needing the least VRAM ({figs})")
+        if unknown:
+            notes.append(f"n_cpu_moe={', '.join(str(r.n_cpu_moe) for r in unknown)}: too few samples for an interval "
+                         f"of the ratio to {top.n_cpu_moe}, so compared by median; measure more --repetitions or "
+                         "--rounds")
         for r in feasible:
             hi = r.predicted.get(objective, (NAN, NAN))[1]
             faster = objective in pick.measured and not math.isnan(hi) and hi > pick.measured[objective]
@@ -208,7 +277,7 @@ def recommend_depth(plan: Plan, objective: str, vram: int, ram: int, margin: int
         why = (f"n_cpu_moe={rec} is the smallest depth that fits "
                f"({'no feasible depth was measured' if medians else 'nothing measured'}): "
                "it keeps the most experts in VRAM, and each offloaded layer costs decode speed")
-    return Recommendation(plan, objective, vram, ram, margin, rows, rec, why + ".", smallest, notes)
+    return Recommendation(plan, objective, vram, ram, margin, rows, rec, why + ".", smallest, notes, ties=ties)
 
 
 def with_cache(rec: Recommendation, trace, policy: str = "classlru", fit=None) -> None:
@@ -278,7 +347,7 @@ def table(rec: Recommendation) -> list[dict]:
 
 def to_json(rec: Recommendation) -> dict:
     s = rec.plan.settings
-    return {"recommended": rec.recommended, "rationale": rec.rationale, "objective": rec.objective,
+    return {"recommended": rec.recommended, "rationale": rec.rationale, "objective": rec.objective, "ties": rec.ties,
             "engine": s.engine, "ctx": s.n_ctx, "vram_bytes": rec.vram, "ram_bytes": rec.ram,
                 "margin_bytes": rec.margin,
             "smallest_vram_bytes": rec.smallest_vram, "model_fingerprint": rec.plan.meta.fingerprint,

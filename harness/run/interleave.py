@@ -165,6 +165,7 @@ def run_interleaved(spec: SweepSpec, results_dir: Path, resume: Path | None = No
     from harness.store import results
     from harness.store.history import index_run
     from harness.run.runner import join_rounds, new_run_dir, prepare_run_dir, round_sizes, write_run_json
+    from harness.hw.probe import read_bandwidth
 
     if resume:
         raise UserError("--resume cannot continue an interleaved sweep (both arms must run side by side); "
@@ -188,7 +189,8 @@ def run_interleaved(spec: SweepSpec, results_dir: Path, resume: Path | None = No
     prepare_run_dir(run_dir)
     differs = _differs(cells["A"][0], cells["B"][0])
     write_run_json(run_dir, spec, interleave={"A": es["A"].text, "B": es["B"].text, "differs": differs,
-                                              "rounds": sizes})
+                                              "rounds": sizes},
+                   bandwidth=read_bandwidth({c.settings.threads for a in ARMS for c in cells[a]}))   # decode bounds
     failed = 0
     pairs = list(zip(cells["A"], cells["B"]))
     for i, (ca, cb) in enumerate(pairs):

@@ -23,7 +23,7 @@ from engines.registry import engine_class
 from harness.hw import host
 from harness.store import results
 from engines.devices import Nvml
-from harness.run.sampler import NAN, Sampler, peaks
+from harness.run.sampler import NAN, Peaks, Sampler, peaks
 from harness.run.spec import Cell, SweepSpec
 from workloads.grammar import parse_workloads
 
@@ -75,13 +75,14 @@ def _tail(path: Path) -> str:
 
 
 def cell_row(cell: Cell, run_id: str, status: str, error: str, loaded: dict | None = None, wall_s: float = NAN,
-             peak: tuple[float, float] = (NAN, NAN), floor: float = NAN) -> dict:
+             peak: Peaks = Peaks(), floor: dict | None = None) -> dict:
     """The cells.csv row of a cell; `loaded` is the worker's "loaded" record (empty when it never loaded); `floor`
-    the worker's RSS before load() with the engine's runtime imported (NaN when it died first)."""
-    loaded = loaded or {}
+    the worker's "floor" record: its RSS and anonymous RSS before load() with the engine's runtime imported (NaN
+    when it died first)."""
+    loaded, floor = loaded or {}, floor or {}
     info = loaded.get("info", {})
     s, meta = cell.settings, cell.meta
-    rss, vram = peak
+    rss_floor, anon_floor = floor.get("rss_mib", NAN), floor.get("rss_anon_mib", NAN)
     return {
         "run_id": run_id, "cell_id": cell.cell_id, "engine": cell.engine, "engine_version": loaded.get("version", ""),
         "model": str(cell.model), "model_name": meta.name, "model_fingerprint": meta.fingerprint, "arch": meta.arch,
@@ -93,8 +94,9 @@ def cell_row(cell: Cell, run_id: str, status: str, error: str, loaded: dict | No
         "n_ubatch": s.n_ubatch, "threads": s.threads, "flash_attn": s.flash_attn, "device": s.device,
         "dtype": s.dtype, "mmap": s.mmap, "extra": s.extra, "effective_settings": info.get("settings", {}),
         "bytes_by_device": info.get("bytes_by_device", {}), "status": status, "error": error,
-        "load_s": loaded.get("load_s", NAN), "wall_s": wall_s, "peak_rss_mib": rss, "peak_vram_mib": vram,
-        "rss_floor_mib": floor, "peak_rss_above_floor_mib": rss - floor,
+        "load_s": loaded.get("load_s", NAN), "wall_s": wall_s, **peak.columns(),
+        "rss_floor_mib": rss_floor, "peak_rss_above_floor_mib": peak.rss_mib - rss_floor,
+        "rss_anon_floor_mib": anon_floor, "peak_rss_anon_above_floor_mib": peak.rss_anon_mib - anon_floor,
         "host": os.uname().nodename, "arm": cell.arm,
     }
 
@@ -174,8 +176,7 @@ def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str,
     if status != "ok":
         error = f"{error} | log tail: {_tail(log)[-600:]}" if _tail(log) else error
 
-    floor = kinds.get("floor", {}).get("rss_mib", NAN)
-    row = cell_row(cell, run_id, status, error, loaded, wall_s, peaks(samples), floor)
+    row = cell_row(cell, run_id, status, error, loaded, wall_s, peaks(samples), kinds.get("floor"))
     s, meta = cell.settings, cell.meta
     workloads = {w.name: w for w in parse_workloads(",".join(spec.workloads))}
     phase_peaks = {name: peaks(samples, name) for name in workloads}    # per workload's timed phase
@@ -188,8 +189,7 @@ def run_cell(cell: Cell, spec: SweepSpec, run_dir: Path, run_id: str,
                      "n_prompt": w.n_prompt, "n_gen": w.n_gen, "n_depth": w.n_depth, "rep": m["rep"], "ns": m["ns"],
                      "tokens_per_s": w.n_tokens / (m["ns"] / 1e9), "engine_ms": m.get("engine_ms"),
                      "n_ctx": s.n_ctx, "n_batch": s.n_batch, "n_ubatch": s.n_ubatch, "threads": s.threads,
-                     "flash_attn": s.flash_attn, "peak_rss_mib": phase_peaks[wl][0],
-                     "peak_vram_mib": phase_peaks[wl][1], "stream": m.get("stream", "")})
+                     "flash_attn": s.flash_attn, **phase_peaks[wl].columns(), "stream": m.get("stream", "")})
     sample_rows = [{"run_id": run_id, "cell_id": cell.cell_id, **x} for x in samples]
     return row, rows, sample_rows
 
@@ -203,8 +203,8 @@ def round_sizes(repetitions: int, rounds: int) -> list[int]:
 def join_rounds(parts: list[tuple]) -> tuple[dict, list[dict], list[dict]]:
     """A cell's rounds (run_cell results in round order, one fresh process each) -> one cell: each measurement
     keeps its `round` (1, 2, ...), reps numbered on across rounds, samples shifted onto one time axis, the first
-    failure's status, the summed wall time, the largest peaks; the largest RSS above the floor with that round's
-    floor (rounds are separate processes, each with its own floor)."""
+    failure's status, the summed wall time, the largest of each peak; the largest RSS (and anonymous RSS) above
+    the floor with that round's floor (rounds are separate processes, each with its own floor)."""
     rows, meas, samples = [p[0] for p in parts], [], []
     done, t0 = {}, 0.0
     for k, (_, ms, ss) in enumerate(parts):
@@ -219,12 +219,13 @@ def join_rounds(parts: list[tuple]) -> tuple[dict, list[dict], list[dict]]:
     if bad:
         row["status"], row["error"] = bad["status"], bad["error"]
     row["wall_s"] = sum(r["wall_s"] for r in rows)
-    for col in ("peak_rss_mib", "peak_vram_mib"):
-        row[col] = max((r[col] for r in rows if r[col] == r[col]), default=NAN)
-    above = [r for r in rows if r.get("peak_rss_above_floor_mib", NAN) == r.get("peak_rss_above_floor_mib", NAN)]
-    if above:
-        top = max(above, key=lambda r: r["peak_rss_above_floor_mib"])
-        row["rss_floor_mib"], row["peak_rss_above_floor_mib"] = top["rss_floor_mib"], top["peak_rss_above_floor_mib"]
+    for col in Peaks().columns():
+        row[col] = max((r[col] for r in rows if r.get(col, NAN) == r.get(col, NAN)), default=NAN)
+    for floor, above in (("rss_floor_mib", "peak_rss_above_floor_mib"),
+                         ("rss_anon_floor_mib", "peak_rss_anon_above_floor_mib")):
+        if known := [r for r in rows if r.get(above, NAN) == r.get(above, NAN)]:
+            top = max(known, key=lambda r: r[above])
+            row[floor], row[above] = top[floor], top[above]
     return row, meas, samples
 
 

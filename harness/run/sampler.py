@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 import psutil
 
@@ -95,12 +96,29 @@ class Sampler(threading.Thread):
         return self.samples
 
 
-def peaks(samples: list[dict], phase: str | None = None) -> tuple[float, float]:
-    """(peak RSS MiB, peak VRAM MiB) over the samples of one phase (all if None); NaN when none.
-    VRAM prefers the per-process figure and falls back to the device delta; NaN without a GPU."""
+@dataclass(frozen=True)
+class Peaks:
+    """Peak memory (MiB) over a cell or one phase; NaN where not measured. rss_anon_mib and rss_file_mib are the
+    peaks of their own series, which may fall at different times (llama.cpp maps the file, then copies weights into
+    anonymous buffers), so they need not add up to rss_mib. Anonymous pages are the RAM an engine needs; file-backed
+    ones are the mapped model's page cache: reclaimable, but what keeps an mmap'd model fast."""
+    rss_mib: float = NAN
+    rss_anon_mib: float = NAN
+    rss_file_mib: float = NAN
+    vram_mib: float = NAN
+
+    def columns(self) -> dict[str, float]:
+        """As cells.csv and measurements.csv name them."""
+        return {"peak_rss_mib": self.rss_mib, "peak_rss_anon_mib": self.rss_anon_mib,
+                "peak_rss_file_mib": self.rss_file_mib, "peak_vram_mib": self.vram_mib}
+
+
+def peaks(samples: list[dict], phase: str | None = None) -> Peaks:
+    """The peaks over the samples of one phase (all if None); NaN when none. VRAM prefers the per-process figure
+    and falls back to the device delta; NaN without a GPU."""
     sel = [s for s in samples if phase is None or s["phase"] == phase]
-    rss = max((s["rss_mib"] for s in sel), default=NAN)
+    top = lambda key: max((s[key] for s in sel), default=NAN)
     vram = [s["vram_proc_mib"] if s["vram_proc_mib"] == s["vram_proc_mib"] and s["vram_proc_mib"] > 0
             else s["vram_device_mib"] for s in sel]
     vram = [v for v in vram if v == v]
-    return rss, max(vram, default=NAN)
+    return Peaks(top("rss_mib"), top("rss_anon_mib"), top("rss_file_mib"), max(vram, default=NAN))

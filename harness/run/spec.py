@@ -98,7 +98,11 @@ def expand(spec: SweepSpec) -> list[Cell]:
     if spec.round_order not in ROUND_ORDERS:
         raise UserError(f"--round-order {spec.round_order!r} is not valid; use {' or '.join(ROUND_ORDERS)}.")
     if spec.threads < 1:
-        raise UserError(f"--threads {spec.threads} must be at least 1.")
+        raise UserError(f"--threads {spec.threads} must be at least 1; leave --threads out to use all "
+                        f"{os.cpu_count() or 1} cores.")
+    if "cpu_moe_threads" in spec.extra and int(spec.extra["cpu_moe_threads"]) < 1:
+        raise UserError(f"--cpu-moe-threads {spec.extra['cpu_moe_threads']} must be at least 1; leave it out for the "
+                        "engine's own rule.")
     if spec.flash_attn not in ("on", "off", "auto"):
         raise UserError(f"--flash-attn {spec.flash_attn!r} is not valid; use on, off or auto.")
     if not spec.engines:
@@ -125,6 +129,7 @@ def expand(spec: SweepSpec) -> list[Cell]:
     cells = []
     for m in spec.models:
         meta = read_checked(resolve_model(m, spec.seed))   # what every engine needs of the file, before any cell
+        check_static_trace(spec, meta, workloads)
         depths: dict[int, str] = {}
         for d in spec.depths:
             depths.setdefault(parse_depth(d, meta.n_layers), d)
@@ -136,6 +141,40 @@ def expand(spec: SweepSpec) -> list[Cell]:
                                        extra=dict(spec.extra) | knobs)
                     cells.append(Cell(engine, meta.path, meta, label, s, variant=variant))
     return cells
+
+
+def check_static_trace(spec: SweepSpec, meta: ModelMeta, workloads: list) -> None:
+    """--cache-policy static pins the experts a routing trace used most. Refuse a trace recorded on the token stream
+    this sweep times (the same seed and kind: the same tokens, routed the same way): its pins would be chosen on the
+    very tokens they are then timed on. A segment matches when its workload's tokens at this --seed hash as the
+    trace recorded them (the worker's stream, workloads.tokens.workload_tokens)."""
+    path = spec.extra.get("cache_static_trace")
+    if not path or "static" not in [*map(str, spec.knobs.get("cache_policy", [])), str(spec.extra.get("cache_policy"))]:
+        return
+    import numpy as np
+
+    from engines.routing import load_trace, token_hash
+    from workloads.grammar import parse_workload
+    from workloads.tokens import workload_tokens
+
+    trace = load_trace(Path(path))
+    header = trace.header
+    if header["fingerprint"] != meta.fingerprint:       # another model's trace: the engine says so
+        return
+    rows = np.bincount(trace.segment, minlength=len(header["segments"]))     # tokens a segment's run processed
+    timed = {w.stream for w in workloads}
+    for name, digest, n in zip(header["segments"], header["token_hash"], rows):
+        try:
+            w = parse_workload(name)
+        except UserError:                               # a name this version does not know: not a stream it times
+            continue
+        if w.stream not in timed or w.n_ctx_needed != n:
+            continue
+        depth, tokens = workload_tokens(w, meta.n_vocab, spec.seed, meta.path)
+        if token_hash(depth + tokens) == digest:
+            raise UserError(f"--cache-static-trace {Path(path).name} was recorded on the token stream this sweep times "
+                            f"({w.stream}, --seed {spec.seed}), so static would pin the experts of the very tokens it "
+                            f"is timed on; record the trace with another --seed (e.g. --seed {spec.seed + 1}).")
 
 
 def crossings(knobs: dict[str, list], takes) -> list[tuple[dict, str]]:

@@ -10,7 +10,8 @@ first rotating from round to round; those groups are shuffled per round with a s
 (`round_seed`) and the plan in run.json["rounds"]. Each cell is still one cell in the results (runner.join_rounds);
 its measurements keep their `round`. A round waits in rounds/ until its cell's last round, so --resume goes on
 with the next round. `round_order="back-to-back"` keeps the old order (each cell's rounds one after the other),
-to measure what interleaving buys. A sweep of one round runs its cells in the sweep's own order.
+to measure what interleaving buys; its rounds did not run at the same time, so no reader pairs them
+(harness.store.history.pairing). A sweep of one round runs its cells in the sweep's own order.
 """
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ from pathlib import Path
 from typing import Callable
 
 from engines.errors import UserError
+from harness.hw.probe import read_bandwidth
 from harness.run.ray import Cluster
 from harness.run.runner import (ROUNDS_DIR, drop_rounds, drop_unfinished, join_rounds, load_rounds, new_run_dir,
                                 prepare_run_dir, probe_steadiness, round_sizes, run_cell, save_round, save_run_json,
                                 write_run_json)
+from harness.run.precision import PILOT
 from harness.run.spec import Cell, SweepSpec, default_rounds, expand
 from harness.store import results
 from harness.store.history import index_run      # every finished run is indexed into <results-dir>/history.sqlite
@@ -89,13 +92,20 @@ def run_sweep(spec: SweepSpec, results_dir: Path, resume: Path | None = None,
                               for x in cells):
         raise UserError("--until makes the ratios between engines precise, and this sweep compares none; "
                         "pass two or more engines (or knob values), or drop --until.")
+    if spec.until and spec.round_order == "back-to-back":
+        raise UserError("--until pairs rounds that ran at the same time, and back-to-back rounds do not; "
+                        "drop --round-order back-to-back.")
+    if spec.until and spec.max_rounds < PILOT:
+        raise UserError(f"--max-rounds {spec.max_rounds} leaves --until no pilot; it needs {PILOT} rounds or more.")
     sizes, plan, steps = schedule(cells, spec)
     run_dir = resume or new_run_dir(results_dir, spec)
     prepare_run_dir(run_dir)
     done = drop_unfinished(run_dir) if resume else set()
     if not resume:
         write_run_json(run_dir, spec, rounds={"sizes": sizes, "order": spec.round_order, "seed": spec.round_seed,
-                                              "default": defaulted, "plan": [[c.cell_id for c in p] for p in plan]})
+                                              "default": defaulted, "plan": [[c.cell_id for c in p] for p in plan]},
+                       # the decode bound's bandwidth, here at each thread count (a Ray cell runs on another host)
+                       bandwidth=None if cluster else read_bandwidth({c.settings.threads for c in cells}))
         if defaulted and len(sizes) > 1:
             cap = ", at most one per repetition" if len(sizes) < (spec.rounds or 1) else ""
             print(f"note: --rounds {len(sizes)} (the default with more than one engine{cap}): every cell runs in "
@@ -152,16 +162,20 @@ def run_sweep(spec: SweepSpec, results_dir: Path, resume: Path | None = None,
 
 def _until(spec: SweepSpec, cells: list[Cell], parts: dict, ended: set, sizes: list[int], run_dir: Path,
            run_round: Callable, on_cell) -> None:
-    """--until: while a compared ratio's interval is wider than the target, another interleaved round of the cells
-    in such pairs (up to spec.max_rounds rounds in all, none started after spec.max_minutes); then say in
-    run.json["until"] (and on stderr) how many rounds it took and which pairs did not get there, and why."""
-    from harness.run.precision import imprecise, pairs
+    """--until (harness.run.precision: Stein's two-stage rule): the cells in compared pairs run interleaved rounds
+    up to the pilot (PILOT, or the planned rounds if more), then, round by round, those whose pairs need more, up to
+    what the pilot fixed (at most spec.max_rounds rounds in all, none started after spec.max_minutes); then say in
+    run.json["until"] (and on stderr) what each pair needed and got, and why any fell short. run.json["until"]
+    ["pilot"] is what every reader needs to compute the same interval."""
+    from harness.run.precision import pairs, rounds_wanted
 
+    pilot, cap = max(PILOT, len(sizes)), max(spec.max_rounds, len(sizes))
     t0, k = time.monotonic(), len(sizes)
     while True:
-        need = {x for p in imprecise(pairs(cells, parts), spec.until) for x in (p.a, p.b)} - ended
+        wanted = rounds_wanted(pairs(cells, parts, spec.until, pilot), cap)
+        need = {c for c, n in wanted.items() if n > k} - ended
         out_of_time = spec.max_minutes is not None and time.monotonic() - t0 > 60 * spec.max_minutes
-        if not need or k >= spec.max_rounds or out_of_time:
+        if not need or out_of_time:
             break
         probe_steadiness(run_dir, f"round {k + 1}")
         todo = round_plan([c for c in cells if c.cell_id in need], k + 1, spec.round_seed or 0)[k]
@@ -170,18 +184,19 @@ def _until(spec: SweepSpec, cells: list[Cell], parts: dict, ended: set, sizes: l
             if on_cell:
                 on_cell(cell, row | {"round": k + 1, "rounds": k + 1}, j + 1, len(todo))
         k += 1
-    final = pairs(cells, parts)
-    unmet = imprecise(final, spec.until)
+    final = pairs(cells, parts, spec.until, pilot)
+    unmet = [p for p in final if not p.reached]
     why = ("no compared pair has every round ok" if not final else "target reached" if not unmet else
-           f"max rounds ({spec.max_rounds})" if k >= spec.max_rounds else f"max minutes ({spec.max_minutes:g})")
-    report = {"target": spec.until, "rounds": k, "stopped_by": why,
-              "pairs": [{"a": p.a, "b": p.b, "workload": p.workload, "half_width": p.half_width, "rounds": p.rounds,
-                         "reached": p.half_width <= spec.until, **({"why": p.why()} if p in unmet else {})}
-                        for p in final]}
+           f"max minutes ({spec.max_minutes:g})" if out_of_time else f"max rounds ({cap})")
+    report = {"target": spec.until, "method": "two-stage (Stein)", "pilot": pilot, "rounds": k, "stopped_by": why,
+              "pairs": [{"a": p.a, "b": p.b, "workload": p.workload, "s0": p.s0, "needed": p.needed,
+                         "half_width": p.half_width, "rounds": p.rounds, "reached": p.reached,
+                         **({"why": p.why()} if not p.reached else {})} for p in final]}
     run = json.loads((run_dir / "run.json").read_text())
     save_run_json(run_dir, run | {"until": report})
-    print(f"--until {spec.until:.1%}: {k} rounds; {len(final) - len(unmet)} of {len(final)} compared ratios within "
-          f"±{spec.until:.1%} ({why})", file=sys.stderr)
+    print(f"--until {spec.until:.1%}: {k} rounds (a pilot of {pilot}, then what each pair's pilot asked for); "
+          f"{len(final) - len(unmet)} of {len(final)} compared ratios within ±{spec.until:.1%} ({why})",
+          file=sys.stderr)
     for p in unmet:
         print(f"  not reached: {p.a} vs {p.b} {p.workload}: ±{p.half_width:.1%} after {p.rounds} rounds; {p.why()}",
               file=sys.stderr)

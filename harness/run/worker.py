@@ -63,7 +63,8 @@ def run_job(job: dict, ch: Channel) -> None:
     # The RSS floor: this process with the engine's runtime (torch, a shared library) and no model yet. Only this
     # process, not its tree: an external engine's binary has not started yet, so its runtime counts above the floor.
     engine.runtime()
-    ch.emit("floor", rss_mib=(proc_kib(os.getpid(), "status", ("VmRSS",)) or {}).get("VmRSS", NAN) / 1024)
+    floor = proc_kib(os.getpid(), "status", ("VmRSS", "RssAnon")) or {}
+    ch.emit("floor", rss_mib=floor.get("VmRSS", NAN) / 1024, rss_anon_mib=floor.get("RssAnon", NAN) / 1024)
     ch.emit("phase", phase="load")
     turn.wait()
     t0 = time.perf_counter_ns()

@@ -29,15 +29,21 @@ CELL_COLUMNS = [
     "n_layers", "n_moe_layers", "depth", "n_cpu_moe", "expert_host_fraction", "expert_bytes_host",
     "expert_bytes_total", "n_overridden_tensors", "n_ctx", "n_batch", "n_ubatch", "threads", "flash_attn",
     "device", "dtype", "mmap", "extra", "effective_settings", "bytes_by_device", "status", "error",
-    "load_s", "wall_s", "peak_rss_mib", "peak_vram_mib", "host", "node", "arm",
+    "load_s", "wall_s", "peak_rss_mib", "peak_rss_anon_mib", "peak_rss_file_mib", "peak_vram_mib", "host", "node",
+    "arm",
     # the worker's RSS before load() with the engine's runtime imported (Engine.runtime), and peak_rss_mib minus it
-    # (a cell of several rounds: the largest, with its floor); runs written before them lack both
-    "rss_floor_mib", "peak_rss_above_floor_mib",
+    # (a cell of several rounds: the largest, with its floor); the same for the anonymous part (RssAnon): the
+    # engine's own allocations (copies of weights, KV cache, compute buffers), what `plan` predicts
+    "rss_floor_mib", "peak_rss_above_floor_mib", "rss_anon_floor_mib", "peak_rss_anon_above_floor_mib",
 ]
+# peak_rss_anon_mib / peak_rss_file_mib: the peak of each series of the RSS's RssAnon / RssFile split over the cell
+# (harness.run.sampler.Peaks: at their own times, so they need not add up to peak_rss_mib). Anonymous memory is the
+# RAM an engine needs; file-backed pages are the mapped model file: page cache, reclaimable, but what keeps an mmap'd
+# model fast. Runs written before the split lack them (and the anonymous floor).
 MEASUREMENT_COLUMNS = [
     "run_id", "cell_id", "engine", "model_name", "model_fingerprint", "n_cpu_moe", "workload", "n_prompt",
     "n_gen", "n_depth", "rep", "ns", "tokens_per_s", "engine_ms", "n_ctx", "n_batch", "n_ubatch", "threads",
-    "flash_attn", "peak_rss_mib", "peak_vram_mib", "round", "stream",
+    "flash_attn", "peak_rss_mib", "peak_vram_mib", "round", "stream", "peak_rss_anon_mib", "peak_rss_file_mib",
 ]   # round: 1, 2, ... (--rounds: each round of a cell is one process); empty in runs written before it.
 # stream: the token stream's source (workloads.tokens.SOURCES: random | text | repeats); empty in older runs
 SAMPLE_COLUMNS = [
@@ -209,11 +215,25 @@ def round_speed(measurements) -> dict[int, float]:
             .groupby(level=0).median().items()}
 
 
+MEMORY_COLUMNS = ("peak_rss_mib", "peak_rss_anon_mib", "peak_rss_file_mib", "peak_rss_above_floor_mib",
+                  "peak_rss_anon_above_floor_mib", "peak_vram_mib")
+
+
+def memory_cells(r: Mapping) -> dict:
+    """The memory columns of a summary row (summarize) as the sweep's summary and the report show them: the peak
+    anonymous RSS as the RAM the engine needs (and above its runtime's floor), the file-backed pages apart (the
+    mapped model's page cache: reclaimable, but what keeps an mmap'd model fast), VRAM. Empty (NaN) in runs
+    written before the split; their total RSS stays in cells.csv."""
+    return {"RAM MiB (anon)": r["peak_rss_anon_mib"], "anon above floor MiB": r["peak_rss_anon_above_floor_mib"],
+            "file-backed MiB": r["peak_rss_file_mib"], "peak VRAM MiB": r["peak_vram_mib"]}
+
+
 def summarize(cells, measurements):
     """One row per cell x workload (cells from load_frames): cell_id, `engine` = the cell's label, tok/s
     statistics, how their spread splits between rounds and within a process (round_split), the cell's peak
-    memory (RSS also above the engine runtime's floor) and status. Failed cells appear with their status and no
-    throughput, never as a silent gap."""
+    memory (MEMORY_COLUMNS: RSS, its anonymous and file-backed parts, both above the engine runtime's floor too;
+    NaN where an older run lacks them) and status. Failed cells appear with their status and no throughput, never
+    as a silent gap."""
     import pandas as pd
 
     rows = []
@@ -221,9 +241,7 @@ def summarize(cells, measurements):
         m = measurements[measurements["cell_id"] == c["cell_id"]]
         base = {"cell_id": c["cell_id"], "engine": c["label"], "model_name": c["model_name"],
                 "model_fingerprint": c["model_fingerprint"], "n_cpu_moe": c["n_cpu_moe"], "depth": c["depth"],
-                "status": c["status"], "peak_rss_mib": c["peak_rss_mib"],
-                "peak_rss_above_floor_mib": c.get("peak_rss_above_floor_mib", float("nan")),     # older runs lack it
-                "peak_vram_mib": c["peak_vram_mib"],
+                "status": c["status"], **{k: c.get(k, float("nan")) for k in MEMORY_COLUMNS},
                 "error": c["error"]}
         if m.empty:
             rows.append(base | {"workload": "", **{f"tps_{k}": float("nan") for k in stats([])},

@@ -60,6 +60,8 @@ class Gemma4(Transformer):
     keeps a whole-context KV cache, as llama.cpp's default (swa_full) does; a sliding layer reads only the
     rows of its window."""
 
+    PRUNE_LAST_LAYER = False    # gemma4.cpp keeps every row through the last layer (its output rows: after it)
+
     def make_caches(self) -> list:
         """Per layer (K, V) of (Hkv, n_ctx, hd) for its kind, plus what every token reuses (one-token decode is
         bound by per-op overhead): the RoPE tables of both kinds, the embedding scale, each router's input

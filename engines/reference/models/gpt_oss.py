@@ -64,6 +64,8 @@ def yarn_tables(h: GptOssHparams, base: float, n_ctx: int, device: torch.device)
 class GptOss(Transformer):
     """Caches: K, V (Hkv, n_ctx, hd) per layer; RoPE tables per rope base (sliding layers may have their own)."""
 
+    PRUNE_LAST_LAYER = False    # openai-moe.cpp keeps every row through the last layer (its output rows: after it)
+
     def __init__(self, cfg: GptOssHparams, *args, **kw):
         super().__init__(cfg, *args, **kw)
         H, Hkv = cfg.n_head, cfg.n_head_kv

@@ -104,6 +104,8 @@ class Qwen35MoE(Transformer):
     """caches[il]: (K, V) (Hkv, n_ctx, hd) for attention layers, (conv rows (K-1, conv_dim), S (Hv, dk, dv)) f32
     for DeltaNet layers, () for MTP blocks."""
 
+    PRUNE_LAST_LAYER = False    # qwen35moe.cpp keeps every row through the last layer (its output rows: after it)
+
     def __init__(self, cfg, *args, **kw):
         super().__init__(cfg, *args, **kw)
         d = cfg.ssm_state     # l2-normed q also takes the output scale 1/sqrt(d): (2, 1, 1) factors for q, k

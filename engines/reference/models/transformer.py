@@ -8,9 +8,17 @@ RMSNorm everywhere, attention scale 1/sqrt(head_dim), router = softmax over all 
 RoPE, q/k norms per head or over the whole projection, qkv biases, renormalized top-k weights and a
 sigmoid-gated shared expert.
 
+Output rows (llama.cpp's inp_out_ids): these graphs keep, from the last layer's attention output on, only the
+rows whose logits are wanted (the last token of a prompt; none in a prompt's earlier ubatches), so the last
+layer's FFN/MoE and the head run on those alone; the layer still writes K/V for every token. Subclasses whose
+llama.cpp graph keeps every row to the end of the last layer (gemma4, openai-moe, qwen35moe in llama.cpp
+0.3.36: they prune there only for masked next-n embeddings) set PRUNE_LAST_LAYER False and drop rows before the
+head.
+
 The residual stream and every norm/softmax are f32 (as in ggml). Products read the stored bytes: on the
 CPU through engines.reference.kernels (one token: int8 dot products with the activations quantized per
-block, as ggml does; many tokens: tiles dequantized into a scratch and a GEMM), on CUDA by dequantizing
+block, as ggml does; many tokens: the same, past a row limit tiles dequantized into a scratch and a GEMM in
+the compute dtype: f32 by default, where quantized weights stay on int8 dots at every size), on CUDA by dequantizing
 the matrix into a scratch of the compute dtype for the one product (engines.reference.dequant).
 """
 from __future__ import annotations
@@ -165,6 +173,8 @@ class Transformer:
     layers[il]: the layer's tensors by name inside the layer, routed experts excepted: `moe(il, h, ids, w)`
     (engines.reference.offload.MoEExecutor) runs those. top: the tensors outside the blocks."""
 
+    PRUNE_LAST_LAYER = True     # llama.cpp's graph keeps only the output rows after the last layer's attention
+
     def __init__(self, cfg: Hparams, layers: list[Layer], top: Layer, moe, linear: Products, n_ctx: int,
                  device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype = torch.float16):
         self.cfg, self.layers, self.top, self.moe, self.linear = cfg, layers, top, moe, linear
@@ -207,12 +217,17 @@ class Transformer:
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.linear.embed(self.top["token_embd.weight"], tokens)        # (n, D)
 
-    def block(self, il: int, x: torch.Tensor, pos: int) -> torch.Tensor:
-        """Layer il on the residual x (n, D) f32 at positions pos..pos+n-1 -> the new residual."""
+    def block(self, il: int, x: torch.Tensor, pos: int, n_out: int | None = None) -> torch.Tensor:
+        """Layer il on the residual x (n, D) f32 at positions pos..pos+n-1 -> the new residual; n_out: only the
+        last n_out rows go on past the attention (forward: the last layer's output rows)."""
         k, v = self.caches[il]
         if self.fused is not None and x.shape[0] == 1:
             return self._fused_block(il, x, pos)
         x = x + attention(self.cfg, self.layers[il], self.linear, k, v, self.cos, self.sin, x, pos)
+        if n_out is not None:
+            x = x[x.shape[0] - n_out:]
+            if not n_out:
+                return x
         return x + self._ffn(il, x)
 
     def _fused_block(self, il: int, x: torch.Tensor, pos: int) -> torch.Tensor:
@@ -239,13 +254,18 @@ class Transformer:
             out = out + shared_expert(lw, self.linear, h)
         return out
 
-    def forward(self, tokens: torch.Tensor, pos: int, all_logits: bool) -> torch.Tensor:
-        """tokens: (n,) at positions pos..pos+n-1 -> logits (n, V) or (1, V) f32."""
+    def forward(self, tokens: torch.Tensor, pos: int, n_out: int) -> torch.Tensor:
+        """tokens: (n,) at positions pos..pos+n-1 -> the logits of the last n_out of them (n_out, V) f32. An engine
+        that records routing traces (moe.recorder) keeps every row in the last layer too: a trace holds every token's
+        routing in every layer (engines.llama_cpp_routing has llama.cpp output every token for the same reason)."""
+        n = tokens.shape[0]
         x = self.embed(tokens)                                                 # (n, D)
-        self.moe.begin_batch(tokens.shape[0])
+        self.moe.begin_batch(n)
+        last = self.cfg.n_layers - 1 if self.moe.recorder is None and self.PRUNE_LAST_LAYER else None
         for il in range(self.cfg.n_layers):
-            x = self.block(il, x, pos)
-        return self.head(x if all_logits else x[-1:])                          # (n|1, V)
+            x = self.block(il, x, pos, n_out) if il == last else self.block(il, x, pos)
+        x = x[x.shape[0] - n_out:]                                             # (n_out, D)
+        return self.head(x) if n_out else x.new_empty(0, self.cfg.n_vocab)
 
 
 def touch_ops() -> None:
@@ -263,15 +283,16 @@ def touch_ops() -> None:
 
 
 def prefill(model: Transformer, tokens: torch.Tensor, pos: int, n_ubatch: int, all_logits: bool) -> torch.Tensor:
-    """Process tokens (n,) from pos in n_ubatch chunks; logits of every position or of the last."""
-    outs = []
-    for s in range(0, tokens.shape[0], n_ubatch):
+    """Process tokens (n,) from pos in n_ubatch chunks; logits of every position (n, V) or of the last (1, V): the
+    earlier chunks then output no rows, as llama.cpp's ubatches without a requested logit."""
+    outs, n = [], tokens.shape[0]
+    for s in range(0, n, n_ubatch):
         chunk = tokens[s:s + n_ubatch]
-        outs.append(model.forward(chunk, pos + s, all_logits))
-    return torch.cat(outs) if all_logits else outs[-1]
+        outs.append(model.forward(chunk, pos + s, chunk.shape[0] if all_logits else int(s + n_ubatch >= n)))
+    return torch.cat(outs)
 
 
 def decode(model: Transformer, token: torch.Tensor, pos: int) -> torch.Tensor:
     """One token (1,) at pos -> logits (1, V). Its products are matrix-vector kernels over the stored
     bytes (Products, MoEExecutor's fused moe_decode); the rest is a few dozen small ATen ops a layer."""
-    return model.forward(token, pos, all_logits=True)
+    return model.forward(token, pos, n_out=1)
