@@ -34,10 +34,24 @@ def test_decode_cpu_only_reads_everything_from_host_ram(meta):
     p = profile(bandwidth={2: 10.0, 1: 6.0}, host_read_gbps=3.0)
     for n in (0, 2, 4):        # without a GPU the depth moves no bytes off the memory bus
         b, kind, inputs = bound(meta, CellShape("llama-cpp", n, threads=2), 0, 1, 0, p)
-        assert kind == "mem" and "10.0 GB/s" in inputs and "2 threads, measured in this run" in inputs
+        assert kind == "mem" and "10.0 GB/s" in inputs and "2 threads, the best of this run" in inputs
         assert b == pytest.approx(10e9 / (EXPERTS / 4 + W_READ + KV_CELL * 0.5))
     # each cell divides by the bandwidth measured at its own thread count, not the host profile's
     assert bound(meta, CellShape("llama-cpp", 0, threads=1), 0, 1, 0, p).tps == pytest.approx(b * 0.6)
+
+
+def test_decode_divides_by_the_best_bandwidth_this_host_gave(meta, tmp_path, monkeypatch):
+    """A VM's bandwidth moves with its neighbours: the bound takes the best probe the host ever gave at the cell's
+    thread count (kept across runs), not this run's alone, so a cell measured in a faster minute stays under it."""
+    from harness.hw.probe import with_host_best
+
+    monkeypatch.setenv("MOEBENCH_CACHE", str(tmp_path))
+    first = with_host_best({"threads": {"2": 20.0}}, hostname="h")
+    later = with_host_best({"threads": {"2": 12.0, "1": 9.0}}, hostname="h")
+    assert first["best"] == {"2": 20.0} and later["best"] == {"2": 20.0, "1": 9.0}
+    p = profile(bandwidth={2: 12.0}) | {"bandwidth": later}
+    assert bound(meta, CellShape("llama-cpp", 0, threads=2), 0, 1, 0, p).tps == pytest.approx(
+        bound(meta, CellShape("llama-cpp", 0, threads=2), 0, 1, 0, profile(bandwidth={2: 20.0})).tps)
 
 
 def test_decode_falls_back_to_the_host_profile_and_says_so(meta):
@@ -283,7 +297,8 @@ def test_a_cell_above_its_bound_is_a_warning_naming_it_and_the_inputs(tiny):
     pp = next(x for x in warnings if "llama-cpp" in x and "pp64" in x)
     assert f"llama-cpp {meta.name} n_cpu_moe=2 pp64" in pp and "GFLOP a token at 0 G(FL)OP/s cpu_matmul_fp32" in pp
     tg = next(x for x in warnings if "llama-cpp" in x and "tg8" in x)
-    assert "MB a token (up to 0 MiB of them cached) at 0.0 GB/s read (2 threads, measured in this run)" in tg
+    assert ("MB a token (up to 0 MiB of them cached) at 0.0 GB/s read (2 threads, the best of this run's probe and "
+            "this host's earlier ones)") in tg
     assert [x for x in lines if x.startswith("note:")] == [
         f"note: no bound for llama-bench {meta.name} pp64: compute_dtype unknown (the engine does not report it): "
         "no prefill bound."]

@@ -118,6 +118,29 @@ def read_bandwidth(threads: Iterable[int], passes: int = READ_PASSES, nbytes: in
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def with_host_best(measured: dict, hostname: str | None = None) -> dict:
+    """measured (read_bandwidth's) plus "best": per thread count, the highest read bandwidth measured on this host so
+    far, this probe included, kept in <cache>/hardware/<host>-read.json. A shared or virtual machine's bandwidth moves
+    with its neighbours (2 threads on an EPYC VM: 36 GB/s, then 70 GB/s minutes later), so one probe bounds only the
+    minute it ran in, and a cell measured in a faster minute beat it; the best this host ever gave bounds every cell.
+    Never raises: without a writable cache the best is this probe's."""
+    now = measured.get("threads") or {}
+    path = profile_path(hostname).with_name(f"{hostname or socket.gethostname()}-read.json")
+    try:
+        best = {k: float(v) for k, v in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, AttributeError, TypeError):
+        best = {}
+    best |= {k: max(float(v), best.get(k, 0.0)) for k, v in now.items()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(best))
+        tmp.replace(path)
+    except OSError:
+        pass
+    return measured | ({"best": best} if best else {})
+
+
 def fp16_arith() -> bool | None:
     """Whether this CPU multiplies fp16 as fp16 (x86: AVX512-FP16 or AMX-FP16); None where this is not known
     (not x86)."""

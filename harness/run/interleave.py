@@ -165,7 +165,7 @@ def run_interleaved(spec: SweepSpec, results_dir: Path, resume: Path | None = No
     from harness.store import results
     from harness.store.history import index_run
     from harness.run.runner import join_rounds, new_run_dir, prepare_run_dir, round_sizes, write_run_json
-    from harness.hw.probe import read_bandwidth
+    from harness.hw.probe import read_bandwidth, with_host_best
 
     if resume:
         raise UserError("--resume cannot continue an interleaved sweep (both arms must run side by side); "
@@ -190,7 +190,8 @@ def run_interleaved(spec: SweepSpec, results_dir: Path, resume: Path | None = No
     differs = _differs(cells["A"][0], cells["B"][0])
     write_run_json(run_dir, spec, interleave={"A": es["A"].text, "B": es["B"].text, "differs": differs,
                                               "rounds": sizes},
-                   bandwidth=read_bandwidth({c.settings.threads for a in ARMS for c in cells[a]}))   # decode bounds
+                   # the decode bounds' bandwidth
+                   bandwidth=with_host_best(read_bandwidth({c.settings.threads for a in ARMS for c in cells[a]})))
     failed = 0
     pairs = list(zip(cells["A"], cells["B"]))
     for i, (ca, cb) in enumerate(pairs):

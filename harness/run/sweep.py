@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from engines.errors import UserError
-from harness.hw.probe import read_bandwidth
+from harness.hw.probe import read_bandwidth, with_host_best
 from harness.run.ray import Cluster
 from harness.run.runner import (ROUNDS_DIR, drop_rounds, drop_unfinished, join_rounds, load_rounds, new_run_dir,
                                 prepare_run_dir, probe_steadiness, round_sizes, run_cell, save_round, save_run_json,
@@ -105,7 +105,8 @@ def run_sweep(spec: SweepSpec, results_dir: Path, resume: Path | None = None,
         write_run_json(run_dir, spec, rounds={"sizes": sizes, "order": spec.round_order, "seed": spec.round_seed,
                                               "default": defaulted, "plan": [[c.cell_id for c in p] for p in plan]},
                        # the decode bound's bandwidth, here at each thread count (a Ray cell runs on another host)
-                       bandwidth=None if cluster else read_bandwidth({c.settings.threads for c in cells}))
+                       bandwidth=None if cluster else
+                       with_host_best(read_bandwidth({c.settings.threads for c in cells})))
         if defaulted and len(sizes) > 1:
             cap = ", at most one per repetition" if len(sizes) < (spec.rounds or 1) else ""
             print(f"note: --rounds {len(sizes)} (the default with more than one engine{cap}): every cell runs in "
