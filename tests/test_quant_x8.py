@@ -56,7 +56,8 @@ def test_layout_rules(qk):
     assert qk.host_layout(q) == "ggml"
     assert qk.host_layout(qtensor("Q6_K", (40, 512))[0]) == "x8"
     assert qk.host_layout(qtensor("Q5_K", (40, 512))[0]) == "ggml"
-    assert qk.host_layout(qtensor("F16", (40, 512))[0]) == ("x8" if qk.isa == "avx2" else "ggml")
+    assert qk.host_layout(qtensor("F16", (40, 512))[0]) == "x8"                # the f32 default: the rows kernel
+    assert qk.host_layout(qtensor("F16", (40, 512))[0], bf16=True) == ("x8" if qk.isa == "avx2" else "ggml")
     assert qk.host_layout(qtensor("F16", (40, 100))[0]) == "ggml"      # rows not whole blocks of 8 values
     with pytest.raises(ValueError, match="whole groups of 8"):
         QTensor(q.raw, "Q4_K", (37, 512), "x8").validate()

@@ -202,7 +202,7 @@ class ReferenceEngine(Engine):
         ocfg = OffloadConfig(n_cpu_moe=depth, path=path, stream_min_batch=int(x.get("moe_stream_min_batch", 128)),
                              host_threads=host_threads, threads=s.threads)
         hold = Holder(GGUFFile(meta), device, hugepages=bool(x.get("hugepages", True)),
-                      kernels=qk if x.get("repack", True) else None)
+                      kernels=qk if x.get("repack", True) else None, bf16=dtype == "bf16")
 
         held = {}                  # name -> each matrix as held (compute_dtype and weights in info() read them)
 

@@ -131,10 +131,10 @@ class ByteLedger:
 class Holder:
     """Takes each tensor of the file to its home and books its bytes (see the module docstring)."""
 
-    def __init__(self, src: GGUFFile, device: torch.device, hugepages: bool, kernels=None):
-        """kernels: the CPU kernels (kernels.QuantKernels) whose layout (its host_layout) a CPU device's
-        matrices are repacked into, or None to keep every matrix as the file stores it."""
-        self.src, self.device, self.cuda = src, device, device.type == "cuda"
+    def __init__(self, src: GGUFFile, device: torch.device, hugepages: bool, kernels=None, bf16: bool = False):
+        """kernels: the CPU kernels (kernels.QuantKernels) whose layout (its host_layout; bf16: the products' GEMM
+        runs in bf16) a CPU device's matrices are repacked into, or None to keep every matrix as the file stores it."""
+        self.src, self.device, self.cuda, self.bf16 = src, device, device.type == "cuda", bf16
         self.hugepages = hugepages and not self.cuda
         self.kernels = None if self.cuda else kernels
         self.ledger = ByteLedger()
@@ -160,7 +160,7 @@ class Holder:
     def matrix(self, name: str, group: str, where: str) -> QTensor:
         """A matrix as stored, at `where` ("host" | "accelerator")."""
         qt = self.src.qtensor(name)
-        if self.kernels is not None and (layout := self.kernels.host_layout(qt)) != "ggml":
+        if self.kernels is not None and (layout := self.kernels.host_layout(qt, self.bf16)) != "ggml":
             new = self.kernels.repack(qt, layout, hugepage_empty(qt.nbytes) if self.hugepages else None)
             self.src.release(name)
             self.ledger.add(group, where, qt.nbytes, new.nbytes)

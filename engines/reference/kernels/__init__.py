@@ -63,9 +63,11 @@ ROWS_MAX_N["amx"] = {**ROWS_MAX_N["avx512"], "x8/Q4_K": 256}
 ROWS_MAX_N_F32_GEMM = {"F32": 32, "F16": 32, "BF16": 32, "quant": 1 << 62}
 
 
-# Types whose x8 layout only the avx2 variant wants: on avx512 oneDNN's bf16 GEMM takes F16 past 3 rows (ROWS_MAX_N)
-# from dequantized tiles, which the file layout gives fastest.
-X8_AVX2_ONLY = ("F16",)
+# Types whose x8 layout a bf16 GEMM does not want: on avx512 with dtype=bf16, oneDNN's bf16 GEMM takes F16 past 3
+# rows (ROWS_MAX_N) from dequantized tiles, which the file layout gives fastest. In f32 (the default) every variant
+# keeps them on the x8 rows kernel, as avx2 does: dequantized tiles and the f32 GEMM ran a 512-token F16 prefill at
+# half its speed on an AVX-512 EPYC.
+X8_NOT_FOR_BF16_GEMM = ("F16",)
 
 
 def missing_flags(isa: str, flags: frozenset[str] | None = None) -> list[str]:
@@ -150,13 +152,14 @@ class QuantKernels:
     def __init__(self, ext, isa: str):
         self.ext, self.isa = ext, isa
 
-    def host_layout(self, qt: QTensor) -> str:
+    def host_layout(self, qt: QTensor, bf16: bool = False) -> str:
         """The layout these kernels want a stored matrix (or expert stack) in, to be made once at load: "x8" for
         the types of LAYOUT_TYPES["x8"] in whole groups of 8 rows and 8 values (quant_x8*.h: 8 or 16 rows per dot
-        instruction; X8_AVX2_ONLY on avx2 alone), else "ggml" (as stored)."""
+        instruction; X8_NOT_FOR_BF16_GEMM only where the GEMM is not bf16: `bf16`, the engine's compute dtype, and
+        avx2 has no bf16 GEMM), else "ggml" (as stored)."""
         for name, types in LAYOUT_TYPES.items():
             if qt.type in types and qt.n_rows % LAYOUTS[name][0] == 0 and qt.k % 8 == 0 and \
-                    (self.isa == "avx2" or qt.type not in X8_AVX2_ONLY):
+                    (self.isa == "avx2" or not bf16 or qt.type not in X8_NOT_FOR_BF16_GEMM):
                 return name
         return "ggml"
 

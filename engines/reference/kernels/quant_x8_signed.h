@@ -194,7 +194,8 @@ struct IQ4_XS_X8 : X8Layout<IQ4_XS_X8, IQ4_XS> {
   }
 };
 
-// F16 (avx2 only: kernels.host_layout): per 8 values of the 8 rows, [8 values k][8 rows] f16 (128 = 8 x 16 bytes).
+// F16 (x8 unless the GEMM is bf16: kernels.host_layout): per 8 values of the 8 rows, [8 values k][8 rows] f16
+// (128 = 8 x 16 bytes).
 // One load converts value k of 8 rows (16 with V16) and each x row's x_k broadcast multiplies it: no per-row
 // horizontal sum and no dequantized copy for the many-row products, where the file layout's rows lose to
 // dequantized tiles and the f32 GEMM. Every product is exact in f32 (x rounded to f16, X_F16); the sums run in A
@@ -211,8 +212,8 @@ struct F16_X8 : X8Layout<F16_X8, F16> {
   }
 
   template <class V, int NX> static void dot_v(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
-    // chains per x row: enough to cover the FMA latency; 16 rows (avx512's dot2, which only tests run: F16 x8 is
-    // avx2's) as avx2's dot2 adds each row, so that both variants' products stay bit-identical
+    // chains per x row: enough to cover the FMA latency; 16 rows (avx512's dot2) as avx2's dot2 adds each row, so
+    // that both variants' products stay bit-identical
     constexpr bool V16 = sizeof(typename V::F) == 64;
     constexpr int A = NX == 1 ? (V16 ? 2 : 4) : (V16 ? 1 : 2);
     const int64_t gs = K * SRC;
