@@ -1,7 +1,7 @@
 """The Engine contract every backend implements, and the offload-depth rules they share.
 
 The harness owns the clock: an engine only does work and returns once that work is finished
-(synchronized). See ../shared/DESIGN.md, "Engine contract" and "Offload semantics".
+(synchronized). The offload rules: the README's "Choosing a depth" and this module's depth functions.
 """
 from __future__ import annotations
 

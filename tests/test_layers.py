@@ -1,4 +1,4 @@
-"""The package's layers (../shared/DESIGN.md, file map): every project import, read with `ast` (nothing is
+"""The package's layers (the README's "Layout"): every project import, read with `ast` (nothing is
 imported), points downward, and no project modules import each other in a cycle.
 
 Lazy imports inside functions count: they are still a dependency, only a later one.

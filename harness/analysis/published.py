@@ -192,7 +192,7 @@ def against_rows(df, a: str, b: str, measured: Getter, n_layers: int, measured_w
 
 # --- reproduce ------------------------------------------------------------------------------------
 
-# Published layer counts that the checkpoints contradict (../shared/published/model_shapes.md)
+# Published layer counts that the checkpoints contradict (the models' config.json on their hubs)
 LAYER_NOTES = {"Qwen3.5-35B-A3B": "the published table gives Qwen3.5-35B-A3B 48 MoE layers, but its checkpoint has "
                                   "40; 48 is Qwen3.5-122B-A10B's count"}
 
