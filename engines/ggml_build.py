@@ -20,6 +20,7 @@ import subprocess
 from pathlib import Path
 
 from engines.devices import cpu_flags
+from engines.gguf_meta import NOT_PRODUCT
 from engines.paths import cache_dir
 
 AMX_FLAGS = ("amx_tile", "amx_int8")
@@ -167,7 +168,6 @@ AMX_PAD = {"Q4_0": 0, "Q4_1": 0, "Q8_0": 4, "Q4_K": 4, "Q5_K": 4, "Q6_K": 0, "IQ
 _AMX_BLOCK = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "F16": 16}       # the K alignment; K-quants and IQ4_XS: 256
 # CPU_REPACK on x86: the 8x8-interleaved types (AVX2; Q2_K needs AVX-512), dense and experts alike
 REPACK_TYPES = ("Q4_0", "Q4_K", "IQ4_NL", "MXFP4")
-_NOT_MATMUL = re.compile(r"(^|\.)(token_embd|per_layer_token_embd|pos_embd|ssm_conv1d)\.")
 
 
 def cpu_bufts(flags: frozenset[str] | None = None) -> dict[str, tuple[str, ...]]:
@@ -188,7 +188,7 @@ def extra_buft(name: str, ne: tuple[int, ...], ggml_type: str,
     into an extra buffer type (`bufts`, from cpu_bufts), or None. Mirrors ggml-cpu's supports_op checks
     (amx/amx.cpp, repack.cpp). The vendored llama.cpp applies them to weights --n-cpu-moe overrides to the CPU
     too (llama-model-loader.cpp: "when overriding to a CPU buffer, consider the extra buffer types")."""
-    if _NOT_MATMUL.search(name) or len(ne) < 2 or min(ne) <= 0:
+    if NOT_PRODUCT.search(name) or len(ne) < 2 or min(ne) <= 0:
         return None
     stack = any(n > 1 for n in ne[2:])       # routed experts (MUL_MAT_ID): never AMX
     block = _AMX_BLOCK.get(ggml_type, 256)

@@ -29,7 +29,7 @@ ARRAY_LIMIT = 4096            # numeric arrays up to this length are kept (per-l
 _UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 _BREAKS = re.compile("[\t\n\r\x0b\x0c\x85\u2028\u2029]")
 # tensors of 2+ dimensions that no product multiplies: read a row at a time (embeddings) or convolved
-_NOT_PRODUCT = re.compile(r"(^|\.)(token_embd|per_layer_token_embd|pos_embd|ssm_conv1d)\.")
+NOT_PRODUCT = re.compile(r"(^|\.)(token_embd|per_layer_token_embd|pos_embd|ssm_conv1d)\.")
 # Architecture-relative keys every reader does arithmetic with: whole numbers (or one per layer), real numbers.
 # A string or a bool there is refused by read_meta, so no caller's int()/float() ever meets one.
 COUNT_KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length", "expert_count",
@@ -92,7 +92,7 @@ class ModelMeta:
         token embedding where the file has no output.weight (the head reads it)."""
         tied = not any(t.name == "output.weight" for t in self.tensors)
         return [t for t in self.tensors if len(t.ne) >= 2
-                and (not _NOT_PRODUCT.search(t.name) or tied and t.name == "token_embd.weight")]
+                and (not NOT_PRODUCT.search(t.name) or tied and t.name == "token_embd.weight")]
 
     @property
     def n_vocab(self) -> int:
