@@ -11,8 +11,9 @@ Every figure is repeated and summarized with harness.stats.stats (median, min, m
 <cache>/hardware/<hostname>.json (MOEBENCH_CACHE moves <cache>) and embedded in each run.json.
 
 The decode bound divides by the read bandwidth of the run itself (read_bandwidth: run.json["bandwidth"]), at each
-thread count its cells use, over a buffer far larger than the CPU caches, best of a few passes: a bound must be an
-upper bound, so the probe has to read at least as fast as any engine can.
+thread count its cells use, over a buffer far larger than the CPU caches, best of a few passes, or by the best an
+earlier run on the host measured (with_host_best): a bound must be an upper bound, so the probe has to read at least
+as fast as any engine can, in the machine's fastest minute.
 """
 from __future__ import annotations
 
@@ -132,10 +133,7 @@ def with_host_best(measured: dict, hostname: str | None = None) -> dict:
         best = {}
     best |= {k: max(float(v), best.get(k, 0.0)) for k, v in now.items()}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(best))
-        tmp.replace(path)
+        write_atomic(path, json.dumps(best))
     except OSError:
         pass
     return measured | ({"best": best} if best else {})
@@ -236,12 +234,17 @@ def profile_path(hostname: str | None = None) -> Path:
     return cache_dir() / "hardware" / f"{hostname or socket.gethostname()}.json"
 
 
-def save_profile(profile: dict) -> Path:
-    path = profile_path(profile["hostname"])
+def write_atomic(path: Path, text: str) -> None:
+    """path's new contents, whole: concurrent sweeps never read half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(profile, indent=2))
-    tmp.replace(path)      # atomic: concurrent sweeps never read half a file
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def save_profile(profile: dict) -> Path:
+    path = profile_path(profile["hostname"])
+    write_atomic(path, json.dumps(profile, indent=2))
     return path
 
 

@@ -17,8 +17,9 @@ Decode (one token reads every active weight once; memory-bound):
   bound   = 1 / (max(B_host - C, 0) / BW_host + B_accel / BW_accel)            [tokens/s]
   With no CUDA device the "accelerator" is the CPU itself: both terms are read from host RAM,
   BW_accel = BW_host, so bound = BW_host / (B_host + B_accel - C) ("mem").
-  BW_host = the run's own read probe at the cell's thread count (run.json["bandwidth"], harness.hw.probe
-  .read_bandwidth); runs without it fall back to the host profile's host_read_gbps ("mem (host profile)");
+  BW_host = the best of the run's own read probe at the cell's thread count and every earlier one on its host
+  (run.json["bandwidth"], harness.hw.probe.read_bandwidth and with_host_best); runs without it fall back to the
+  host profile's host_read_gbps ("mem (host profile)");
   BW_accel = gpu_mem_gbps (device copy).
 
 Prefill (compute-bound unless experts stream over the bus):
