@@ -75,7 +75,7 @@ class Measured:
     source: dict[int, tuple[int, bool]] = field(default_factory=dict)   # depth -> (run index, its rounds pair up)
     failed: dict[int, str] = field(default_factory=dict)
     rep: dict | None = None                  # a representative ok cell
-    profile: dict | None = None              # the first hardware_profile in the runs' run.json
+    profile: dict | None = None              # the first run's roofline.hardware (profile, its bandwidth)
     ctxs: set[int] = field(default_factory=set)
     cpu_only: bool = False                   # an ok cell ran without a GPU
 
@@ -264,8 +264,8 @@ def recommend_depth(plan: Plan, objective: str, vram: int, ram: int, margin: int
                    f"tok/s ratio holds 1); picked {rec}, the one needing the least VRAM ({figs})")
         if unknown:
             notes.append(f"n_cpu_moe={', '.join(str(r.n_cpu_moe) for r in unknown)}: too few samples for an interval "
-                         f"of the ratio to {top.n_cpu_moe}, so compared by median; measure more --repetitions or "
-                         "--rounds")
+                         f"of the ratio to {top.n_cpu_moe} (one process each), so compared by median; measure with "
+                         "--rounds 3 or more")
         for r in feasible:
             hi = r.predicted.get(objective, (NAN, NAN))[1]
             faster = objective in pick.measured and not math.isnan(hi) and hi > pick.measured[objective]
