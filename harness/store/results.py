@@ -37,9 +37,7 @@ CELL_COLUMNS = [
     "rss_floor_mib", "peak_rss_above_floor_mib", "rss_anon_floor_mib", "peak_rss_anon_above_floor_mib",
 ]
 # peak_rss_anon_mib / peak_rss_file_mib: the peak of each series of the RSS's RssAnon / RssFile split over the cell
-# (harness.run.sampler.Peaks: at their own times, so they need not add up to peak_rss_mib). Anonymous memory is the
-# RAM an engine needs; file-backed pages are the mapped model file: page cache, reclaimable, but what keeps an mmap'd
-# model fast. Runs written before the split lack them (and the anonymous floor).
+# (harness.run.sampler.Peaks says what each means). Runs written before the split lack them (and the anonymous floor).
 MEASUREMENT_COLUMNS = [
     "run_id", "cell_id", "engine", "model_name", "model_fingerprint", "n_cpu_moe", "workload", "n_prompt",
     "n_gen", "n_depth", "rep", "ns", "tokens_per_s", "engine_ms", "n_ctx", "n_batch", "n_ubatch", "threads",
@@ -221,9 +219,8 @@ MEMORY_COLUMNS = ("peak_rss_mib", "peak_rss_anon_mib", "peak_rss_file_mib", "pea
 
 def memory_cells(r: Mapping) -> dict:
     """The memory columns of a summary row (summarize) as the sweep's summary and the report show them: the peak
-    anonymous RSS as the RAM the engine needs (and above its runtime's floor), the file-backed pages apart (the
-    mapped model's page cache: reclaimable, but what keeps an mmap'd model fast), VRAM. Empty (NaN) in runs
-    written before the split; their total RSS stays in cells.csv."""
+    anonymous RSS as the RAM the engine needs (and above its runtime's floor), the file-backed pages apart, VRAM.
+    Empty (NaN) in runs written before the split; their total RSS stays in cells.csv."""
     return {"RAM MiB (anon)": r["peak_rss_anon_mib"], "anon above floor MiB": r["peak_rss_anon_above_floor_mib"],
             "file-backed MiB": r["peak_rss_file_mib"], "peak VRAM MiB": r["peak_vram_mib"]}
 
