@@ -2,11 +2,11 @@
 VENV  ?= .venv
 PY    := $(VENV)/bin/python
 # torch first and pinned: this version's CPU build lies on local disk here; a looser requirement
-# would pull a multi-GB CUDA build. GPU users: make setup TORCH=torch (see README).
+# would pull a multi-GB CUDA build. GPU users: make setup TORCH=torch (docs/getting-started.md).
 TORCH ?= torch==2.13.0
 NPROC := $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: setup test-deps bench test test-all
+.PHONY: setup peers test-deps bench test test-all docs
 setup: $(VENV)/.installed
 
 # llama-cpp-python before the project: built for this CPU with a compiler that compiles its AMX code right,
@@ -18,6 +18,10 @@ $(VENV)/.installed: pyproject.toml scripts/install_llama_cpp.py engines/ggml_bui
 	$(PY) scripts/install_llama_cpp.py
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
+
+# the optional peer engines (ik-llama-cpp, reference@experts=kt), each in its own directory under the venv
+peers: setup
+	$(PY) scripts/install_peers.py
 
 # the main job: a default sweep on a synthesized model (no download), both engines, three depths
 bench: setup
@@ -42,3 +46,8 @@ test: setup test-deps
 
 test-all: setup test-deps
 	$(PY) -m pytest -q -rsx -m ''
+
+# the documentation site (docs/, mkdocs.yml) into site/; --strict: a broken link or a page left out of nav fails
+docs: setup
+	$(PY) -m pip install -q -e '.[docs]'
+	$(VENV)/bin/mkdocs build --strict

@@ -1,7 +1,7 @@
 """The Engine contract every backend implements, and the offload-depth rules they share.
 
 The harness owns the clock: an engine only does work and returns once that work is finished
-(synchronized). The offload rules: the README's "Choosing a depth" and this module's depth functions.
+(synchronized). The offload rules: docs/design.md, "Offload semantics", and this module's depth functions.
 """
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ class EngineInfo:
     expert_bytes_host: int = 0                       # routed-expert bytes kept in host RAM
     expert_bytes_total: int = 0
     n_overridden_tensors: int | None = None          # tensors placed on host by the depth rule
+    # the layers whose routed experts the engine really placed in host memory by its depth rule, as the engine itself
+    # tells (its load log, its placement), not as asked; None: the engine cannot tell
+    cpu_moe_layers: list[int] | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -87,6 +90,17 @@ class Engine(ABC):
     @classmethod
     def version(cls) -> str:
         return "unknown"
+
+    @classmethod
+    def isa(cls) -> str:
+        """The CPU instruction set its kernels run here (avx2, avx512, amx...), "" when it cannot tell before a run."""
+        return ""
+
+    @classmethod
+    def variants(cls) -> dict[str, tuple[str | None, str, str]]:
+        """Engine specs of this engine that run other code of their own (`reference@experts=kt`): spec -> (why it
+        cannot run here or None, its version, its ISA), for `moebench engines`. Default: none."""
+        return {}
 
     @classmethod
     def prepare(cls) -> None:
@@ -186,6 +200,14 @@ def expert_layer(tensor_name: str) -> int | None:
     Shared experts (`_shexp`) and the router (`ffn_gate_inp`) are not routed experts."""
     m = EXPERT_TENSOR.match(tensor_name)
     return int(m.group(1)) if m else None
+
+
+def host_layers(placed, moe_layers: list[int], accelerator: bool) -> list[int]:
+    """EngineInfo.cpu_moe_layers: the layers whose routed experts an engine placed in host memory (`placed`, as its
+    load log or its own placement tells), or every MoE layer when nothing of the model is on an accelerator: host
+    memory is then all there is, whatever the depth (the depth may still change the CPU buffer or kernels an engine
+    uses, which its settings say)."""
+    return sorted(set(placed) - {None}) if accelerator else list(moe_layers)
 
 
 def parse_depth(value: str | int, n_layers: int, source: str = "--n-cpu-moe") -> int:

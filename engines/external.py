@@ -10,6 +10,7 @@ ExternalError: the cell fails with the reason and the tail of the binary's outpu
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -30,6 +31,11 @@ class ExternalError(RuntimeError):
 def tail(text: str, n: int = TAIL_CHARS) -> str:
     text = text.strip()
     return text if len(text) <= n else "..." + text[-n:]
+
+
+def label_text(text: str) -> str:
+    """`text` as a cell id may hold it (a build's name in `engine@bin=<label>`): letters, digits and . _ + - only."""
+    return re.sub(r"[^A-Za-z0-9._+-]+", "-", text).strip("-") or "bin"
 
 
 @dataclass
@@ -73,6 +79,12 @@ class ExternalEngine(Engine):
             return f"no {cls.binary_name} binary found; {cls.how_to_get}"
         return None
 
+    @classmethod
+    def spec_label(cls, path: str) -> str:
+        """How cells name the binary at `path` (an engine spec's bin=PATH): the directory it lies in (label_text).
+        Subclasses name the build where they can read it."""
+        return label_text(Path(path).resolve().parent.name)
+
     def locate(self, s: EngineSettings) -> Path:
         path = self.find(s.extra.get(self.extra_key))
         if path is None:
@@ -84,8 +96,10 @@ class ExternalEngine(Engine):
                                 f"another.")
         return path.resolve()
 
-    def run(self, argv: Sequence[str], env: dict[str, str] | None = None, check: bool = True) -> Completed:
-        """Run the binary to completion. Its output is copied to our stdout, which is the cell's log."""
+    def run(self, argv: Sequence[str], env: dict[str, str] | None = None, check: bool = True,
+            echo_chars: int | None = None) -> Completed:
+        """Run the binary to completion. Its output is copied to our stdout, which is the cell's log (its first and
+        last echo_chars // 2 characters where it is longer: a verbose load log can be megabytes)."""
         argv = [str(a) for a in argv]
         print("$ " + " ".join(argv), flush=True)
         try:
@@ -93,7 +107,11 @@ class ExternalEngine(Engine):
         except OSError as e:   # e.g. exec format error: a file that is not a program
             raise ExternalError(f"{self.binary_name} could not be started ({e})") from None
         done = Completed(argv, p.returncode, p.stdout, p.stderr)
-        sys.stdout.write(done.output + "\n")
+        text = done.output
+        if echo_chars is not None and len(text) > echo_chars:
+            half = echo_chars // 2
+            text = f"{text[:half]}\n[... {len(text) - 2 * half} characters of output left out ...]\n{text[-half:]}"
+        sys.stdout.write(text + "\n")
         sys.stdout.flush()
         if check and p.returncode != 0:
             sig = signal.Signals(-p.returncode).name if p.returncode < 0 else ""

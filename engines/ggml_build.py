@@ -42,6 +42,13 @@ def isa_flags(flags: frozenset[str] | None = None) -> list[str]:
     return sorted(f for f in have if f.startswith(_ISA_PREFIXES))
 
 
+def system_info_isa(system_info: str) -> str:
+    """The widest x86 CPU path a ggml library was built with, from its system info text ("AVX2 = 1 | AVX512 = 1 |
+    ..."): amx, avx512, avx2, or "" when none of them is on."""
+    on = set(re.findall(r"(\w+) = 1", system_info))
+    return next((isa for isa, flag in (("amx", "AMX_INT8"), ("avx512", "AVX512"), ("avx2", "AVX2")) if flag in on), "")
+
+
 def compiler_of(path: Path) -> str:
     """The compiler a binary or shared library was built with: "clang 19.1.7", "gcc 12.2.0", "gcc" (version
     unknown) or "" (unknown). From the version strings compilers leave in its .comment section (clang wins: a

@@ -2,7 +2,7 @@
 
 `Llama(...)` cannot place tensors, so the model is loaded with llama_model_params directly:
 `--n-cpu-moe N` becomes a NULL-terminated tensor_buft_overrides array, one pattern per layer
-0..N-1, all pointing at the CPU buffer type of the already loaded library (DESIGN.md field notes).
+0..N-1, all pointing at the CPU buffer type of the already loaded library (docs/engines.md, "llama.cpp").
 Timing follows llama-bench: clear memory before each repetition, llama_synchronize before return.
 llama-bench's `repack` (= use_extra_bufts: the AMX and CPU_REPACK buffer types) and `no_host` are engine knobs
 (settings.extra, crossed as lists by a sweep); a build that would crash with them (engines/ggml_build.py) runs
@@ -17,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Sequence
 
-from engines import ggml_build
+from engines import base, ggml_build
 from engines.base import Engine, EngineInfo, EngineSettings, arithmetic, expert_layer, joined, switch
 from engines.gguf_meta import GGML_TYPES, ModelMeta, read_meta
 
@@ -142,6 +142,10 @@ class LlamaCppEngine(Engine):
         except metadata.PackageNotFoundError:
             return "unknown"
 
+    @classmethod
+    def isa(cls) -> str:
+        return ggml_build.system_info_isa(_system_info())
+
     def load(self, model: Path, s: EngineSettings) -> None:
         import llama_cpp as L
 
@@ -229,7 +233,7 @@ class LlamaCppEngine(Engine):
             key = f"{kind.lower()}:{buft}"
             by_buffer[key] = by_buffer.get(key, 0) + int(float(mib) * MIB)
         overridden = [name for name, _ in _OVERRIDE.findall(log)]   # as llama.cpp reports it, not as asked
-        host_layers = {expert_layer(n) for n in overridden}
+        host_layers = {expert_layer(n) for n in overridden} - {None}
         s = self.s
         extra_bufts = {k.split(":", 1)[1]: v for k, v in by_buffer.items() if k.split(":", 1)[1] in EXTRA_BUFTS}
         # the CPU backend's: where a model buffer lies on a GPU, ggml-cuda picks its arithmetic per batch (MMQ int8 or
@@ -253,6 +257,7 @@ class LlamaCppEngine(Engine):
                                   if t.layer is not None and t.layer in host_layers),
             expert_bytes_total=self.meta.expert_bytes(),
             n_overridden_tensors=len(overridden),
+            cpu_moe_layers=base.host_layers(host_layers, self.meta.moe_layers, accelerator=gpu),
             extra={"overridden_tensors": overridden},
         )
 

@@ -12,6 +12,7 @@ ENGINES: dict[str, str] = {
     "llama-cpp": "engines.llama_cpp:LlamaCppEngine",
     "llama-bench": "engines.llama_bench:LlamaBenchEngine",
     "tensorsharp": "engines.tensorsharp:TensorSharpEngine",
+    "ik-llama-cpp": "engines.ik_llama_cpp:IkLlamaCppEngine",
 }
 
 

@@ -88,7 +88,7 @@ class Trace:
                 yield int(self.step[lo]), p, slice(int(lo), int(hi))
 
     def request(self, rows: slice, layer: int) -> tuple[list[int], list[int]]:
-        """One forward pass x one MoE layer as an expert cache sees it (engines.expert_cache.Policy.request): the
+        """One forward pass x one MoE layer as an expert cache sees it (engines.cache_policies.Policy.request): the
         distinct experts its tokens route to, ascending, and how many token selections each got."""
         e, c = np.unique(self.ids[rows, layer], return_counts=True)
         return e.tolist(), c.tolist()

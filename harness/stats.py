@@ -142,7 +142,7 @@ def ratio_interval(a: Mapping, b: Mapping, paired: bool = False, level: float = 
     - `paired` (round r of A and of B ran in the same stretch of time: interleaved rounds, --interleave's turns):
       the t interval of the per-round log ratios d over the rounds both have, so drift the two saw together
       cancels. Centre: mean(d), the headline exp(mean(d)) is the geometric mean of the round ratios.
-    - `pilot` (an --until run, harness.run.precision): Stein's two-stage interval. The rounds after the first
+    - `pilot` (an --until run, harness.run.until): Stein's two-stage interval. The rounds after the first
       `pilot` were chosen from s0, the standard deviation of those pilot rounds' d alone, so the interval is
       mean(d over all n) ± t(pilot - 1) * s0 / sqrt(n): with normal noise the pilot's s0 is independent of every
       round's mean, so (mean - true) * sqrt(n) / s0 is Student t with pilot - 1 dof whatever n the rule chose.

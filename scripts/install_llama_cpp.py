@@ -9,7 +9,7 @@ engines/ggml_build.py) it is built with clang, installed from Debian (clang-19, 
 when we are root with apt-get and NO_APT is unset. Where no clang can be had, the llama-cpp engine turns
 llama.cpp's extra buffer types off by itself.
 
-An installed llama-cpp-python of the pinned version is kept (a CUDA build made as the README says, say)
+An installed llama-cpp-python of the pinned version is kept (a CUDA build made as docs/getting-started.md says)
 unless it is one that crashes here. CMAKE_ARGS passes through to the build.
 """
 from __future__ import annotations

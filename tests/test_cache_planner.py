@@ -1,5 +1,5 @@
-"""The expert-cache planner (harness.planning.cache_sim / cache_stats / cache_model, `moebench cache`): bounds that
-must hold on every trace (property tests), stock llama.cpp's bytes on a hand-made trace, the trace statistics of
+"""The expert-cache planner (harness.planning.cache_replay / trace_stats / cache_time_model, `moebench cache`): bounds
+that must hold on every trace (property tests), stock llama.cpp's bytes on a hand-made trace, the trace statistics of
 hand-made routings, the time model's fit, and the command end to end on a saved trace."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engines.routing import FORMAT, Trace, save_trace
-from harness.planning import cache_sim as cs
-from harness.planning.cache_stats import cover, entropy, trace_stats
+from harness.planning import cache_replay as cs
+from harness.planning.trace_stats import cover, entropy, trace_stats
 
 EB = 1 << 20        # 1 MiB experts: budgets in MiB are expert counts per layer x layers
 
@@ -168,3 +168,21 @@ def test_cache_command_end_to_end(tmp_path):
     assert seg.exit_code == 2 and "no segment 'nope'" in seg.output
     bad = CliRunner().invoke(cli, ["cache", str(tmp_path / "nothing"), "--vram", "1MiB"])
     assert bad.exit_code == 2 and "error:" in bad.output
+
+
+def test_cache_command_without_vram_simulates_one_expert_per_layer_to_all(tmp_path):
+    from harness.cli import cli
+
+    trace = random_trace(np.random.default_rng(1), 60, 2, 2, 6, big_first=20)       # 2 layers of 6 experts, 1 MiB each
+    save_trace(tmp_path / "t.npz", trace)
+    res = CliRunner().invoke(cli, ["cache", str(tmp_path / "t.npz"), "--policy", "lru", "--format", "json",
+                                   "-o", str(tmp_path / "out.json")])
+    assert res.exit_code == 0, res.output
+    rows = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert sorted({r["cache MiB"] for r in rows}) == [2, 4, 8, 12]          # 1, 2, 4 and all 6 experts x 2 layers
+    assert sorted({r["experts/layer"] for r in rows}) == [1, 2, 4, 6]
+    assert all(r["hit %"] == 100 for r in rows if r["policy"] == "belady" and r["experts/layer"] == 6)
+    # a depth with one host layer halves every size
+    res = CliRunner().invoke(cli, ["cache", str(tmp_path / "t.npz"), "--n-cpu-moe", "1", "--format", "json"])
+    assert res.exit_code == 0, res.output
+    assert sorted({r["cache MiB"] for r in json.loads(res.stdout)["rows"]}) == [1, 2, 4, 6]

@@ -1,4 +1,4 @@
-"""engines.expert_cache: hand-computed sequences for LRU, LFU, static and upstream's ClassLRU (decay, classes,
+"""engines.cache_policies: hand-computed sequences for LRU, LFU, static and upstream's ClassLRU (decay, classes,
 victim rule), and invariants on random request streams (hypothesis): hits + misses = requests, no pool over its
 capacity, no eviction of an expert of the current request, the upload cap."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engines.errors import UserError
-from engines.expert_cache import CRF_HALF_LIFE, N_CLASS, POLICIES, make_policy
+from engines.cache_policies import CRF_HALF_LIFE, N_CLASS, POLICIES, make_policy
 
 
 def run(policy, seq, layer=0):

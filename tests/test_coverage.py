@@ -1,6 +1,6 @@
 """Do the 95 % intervals hold? Simulated sweeps with the noise of separate processes, 1000 per case, through the
 functions every table, report and compare use (harness.stats.ratio_interval, harness.store.history.pairing) and the
-one --until decides its rounds with (harness.run.precision.plan).
+one --until decides its rounds with (harness.run.until.plan).
 
 A simulated sweep: cells A and B, each round one fresh process per cell with REPS repetitions. Log speed of a
 repetition = the cell's true log speed + the machine's drift in that stretch of time (DRIFT, shared by A and B
@@ -16,7 +16,7 @@ import math
 import numpy as np
 import pytest
 
-from harness.run.precision import PILOT, plan
+from harness.run.until import PILOT, plan
 from harness.run.spec import SweepSpec
 from harness.stats import ratio_interval
 from harness.store.history import pairing
@@ -80,7 +80,7 @@ def test_fixed_rounds_cover_95_percent(rounds, order, skewed):
 
 
 def until(seed: int, true: float, target: float, cap: int) -> tuple[list, list[int]]:
-    """--until target: the pilot's rounds, then as many rounds as harness.run.precision.plan asks (at most cap),
+    """--until target: the pilot's rounds, then as many rounds as harness.run.until.plan asks (at most cap),
     then the interval every reader computes (run.json's pilot); the intervals and each run's rounds."""
     a, b = sweeps(seed, cap, true)
     how = pairing({"rounds": {"order": "interleaved"}, "until": {"pilot": PILOT}})     # run.json as the sweep writes it

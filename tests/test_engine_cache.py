@@ -1,6 +1,6 @@
-"""The reference engine's own expert cache (engines.reference.cache): on a CPU-only host its slots are host memory,
-so its logic runs for real. Its counters must equal a replay of the cell's routing trace through the same policies
-(engines.expert_cache.make_policy) and its logits must equal those with the cache off, bit for bit."""
+"""The reference engine's own expert cache (engines.reference.device_cache): on a CPU-only host its slots are host
+memory, so its logic runs for real. Its counters must equal a replay of the cell's routing trace through the same
+policies (engines.cache_policies.make_policy) and its logits must equal those with the cache off, bit for bit."""
 import csv
 import json
 from pathlib import Path
@@ -11,8 +11,8 @@ import torch
 
 from engines.base import EngineSettings
 from engines.errors import UserError
-from engines.expert_cache import make_policy
-from engines.reference.cache import PHASES, capacities, static_sets
+from engines.cache_policies import make_policy
+from engines.reference.device_cache import PHASES, capacities, static_sets
 from engines.reference.engine import ReferenceEngine
 from engines.routing import Trace, load_trace
 from tests import conftest

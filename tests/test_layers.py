@@ -1,4 +1,4 @@
-"""The package's layers (the README's "Layout"): every project import, read with `ast` (nothing is
+"""The package's layers (docs/design.md, "Layers"): every project import, read with `ast` (nothing is
 imported), points downward, and no project modules import each other in a cycle.
 
 Lazy imports inside functions count: they are still a dependency, only a later one.
@@ -15,7 +15,7 @@ PACKAGES = ("harness", "engines", "workloads")
 # engine modules that import nothing of the project but each other (and torch-free reference data)
 ENGINE_LEAVES = {"engines", "engines.errors", "engines.paths", "engines.devices", "engines.base", "engines.gguf_meta",
                  "engines.ggml_build", "engines.registry", "engines.reference", "engines.reference.placement",
-                 "engines.expert_cache", "engines.routing"}
+                 "engines.cache_policies", "engines.routing"}
 
 
 def leaf(module: str) -> bool:

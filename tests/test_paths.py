@@ -1,5 +1,5 @@
 """Every path a user gives works relative to the directory the user is in, not the project root (where the
-cell workers run): the README's "Using it" commands, run from a directory of the user's."""
+cell workers run): the README's "Everyday commands", run from a directory of the user's."""
 import csv
 import json
 import shutil

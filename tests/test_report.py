@@ -156,6 +156,27 @@ def test_bad_inputs_are_one_sentence(tmp_path, fake_run):
     assert r.returncode == 2 and "Engine 'nope' is not in these results" in r.stderr
 
 
+@pytest.mark.parametrize("broken, baseline", [("llama-bench", "llama-cpp"), ("llama-cpp", "llama-bench")])
+def test_default_baseline_is_llama_cpp_and_never_a_failed_engine(tmp_path, broken, baseline):
+    """Three engines, one of which failed every cell: B is llama-cpp as `report --help` says, and never the failed
+    engine, even when that is the preferred one."""
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "run.json").write_text(json.dumps({"run_id": "fake", "started": "2026-01-01T00:00:00", "spec": {},
+                                            "host": {"hostname": "box", "cpu": "CPU", "cores_logical": 2,
+                                                     "ram_mib": 8192, "gpus": [], "gpu_name": ""}}))
+    engines = ["reference", "llama-cpp", "llama-bench"]
+    results.append_rows(d, "cells.csv", [_cell(e, 0, **({"status": "failed", "error": "exit 1"} if e == broken else {}))
+                                         for e in engines])
+    results.append_rows(d, "measurements.csv", [m for e, tps in zip(engines, ([30, 30], [10, 10], [20, 20]))
+                                                if e != broken for m in _meas(e, 0, "pp4096", tps)])
+    r = moebench("report", d, "-o", tmp_path / "rep", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(r.stdout)
+    assert f"{baseline} pp4096" in row and f"{broken} pp4096" not in row, row
+    assert row["pp4096 ratio"] == pytest.approx(30 / (10 if baseline == "llama-cpp" else 20))
+
+
 # --- a real browser --------------------------------------------------------------------------------
 
 class Chromium:

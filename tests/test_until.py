@@ -1,5 +1,5 @@
 """`moebench sweep --until`: a pilot of rounds, then the rounds Stein's two-stage rule asks for each compared ratio
-(harness.run.precision; its coverage is tests/test_coverage.py), through the real CLI and real worker processes,
+(harness.run.until; its coverage is tests/test_coverage.py), through the real CLI and real worker processes,
 on engines whose speed is known (tests.fault_engines: `paced` takes a fixed time per step and its processes differ
 by 0.2 %, `jitter` differs by 20 % between processes at depths above 0); and the bandwidth probe timed at the start
 of every round."""

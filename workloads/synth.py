@@ -22,6 +22,7 @@ from workloads.planted import Planter, Planting, parse_options
 from workloads.quantize import FTYPES, quantize, tensor_types
 
 DTYPES = tuple(FTYPES)      # llama.cpp file types: f32 f16 bf16 q8_0 q4_0 q4_k_m q5_k_m q6_k iq4_xs mxfp4
+FILE_VERSION = 2            # in cached presets' names: an older synthesizer's file (no token list) is not reused
 
 
 def get_preset(name: str, dtype: str | None = None) -> Preset:
@@ -47,6 +48,11 @@ def tensor_shapes(p: Preset) -> dict[str, tuple[int, ...]]:
 def write_metadata(w, h: Hparams, name: str) -> None:
     w.add_name(name)
     ARCHS[h.arch].write_metadata(w, h)
+    # a token per id, for engines that will not load a file without a token list; the tokenizer model stays
+    # "no_vocab", so llama.cpp (and workloads.tokens) still treat the file as having no tokenizer
+    w.add_token_list([f"<t{i}>" for i in range(h.n_vocab)])
+    w.add_token_scores([0.0] * h.n_vocab)
+    w.add_token_types([1] * h.n_vocab)      # 1: a normal token
 
 
 def _weights(shape: tuple[int, ...], name: str, rng: np.random.Generator) -> np.ndarray:
@@ -148,7 +154,7 @@ def _cached(spec: str, seed: int) -> tuple[str, Preset, Planting | None, Path]:
     _, name, *rest = base.split(":")
     p, routing = get_preset(name, rest[0] if rest else None), parse_options(opts)
     tag = f"-{routing.tag}" if routing else ""
-    return name, p, routing, cache_dir() / "models" / f"{name}-{p.dtype}-s{seed}{tag}.gguf"
+    return name, p, routing, cache_dir() / "models" / f"{name}-{p.dtype}-s{seed}{tag}-v{FILE_VERSION}.gguf"
 
 
 def cached_model(spec: str, seed: int = 0) -> Path:

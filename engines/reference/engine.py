@@ -29,9 +29,12 @@ Knobs in EngineSettings.extra (all optional):
   trace_routing         path of a .npz: record the routing of each workload's first run (engines.routing; the
                         worker names the workloads through trace_segment)
   cache_mib             MiB of accelerator memory for an expert cache of the offloaded layers (default 0: none;
-                        engines.reference.cache); on a CPU-only host the slots are host memory, counted the same
+                        engines.reference.device_cache); on a CPU-only host the slots are host memory, counted the same
   cache_policy          the cache's policy: lru (default), lfu, classlru, or static (needs cache_static_trace)
   cache_static_trace    a routing trace of this model (.npz) whose most selected experts per layer static pins
+  experts               who computes the offloaded layers' routed experts: "reference" (default: the engine's own
+                        kernels) or "kt" (KTransformers' kt-kernel, CPU only: engines.reference.kt_experts; its
+                        worker threads are cpu_moe_threads, default kt_experts.THREADS_RULE)
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from engines.base import (ANY_WHOLE_NUMBER, Engine, EngineInfo, EngineSettings, joined, resolve_depth,
+from engines.base import (ANY_WHOLE_NUMBER, Engine, EngineInfo, EngineSettings, host_layers, joined, resolve_depth,
                           weight_arithmetic)
 from engines.errors import UserError
 
@@ -49,6 +52,7 @@ VERSION = "0.2.0"
 TORCH_DTYPES = ("f32", "bf16", "f16")
 CACHE_TYPES = {"f16": "float16", "f32": "float32"}          # cache_type -> torch dtype
 ONLINE_POLICIES = ("lru", "lfu", "static", "classlru")       # the expert-cache policies cheap enough to run inside
+EXPERTS = ("reference", "kt")                                # the knob experts: who computes the offloaded experts
 
 
 def keep_freed_memory() -> bool:
@@ -97,7 +101,7 @@ def cpu_arithmetic(qk, qt, rows: int, gemm_bf16: bool) -> str:
 
 class ReferenceEngine(Engine):
     name = "reference"
-    knobs = {"cache_mib": ANY_WHOLE_NUMBER, "cache_policy": ONLINE_POLICIES}
+    knobs = {"cache_mib": ANY_WHOLE_NUMBER, "cache_policy": ONLINE_POLICIES, "experts": EXPERTS}
     routing_traces = True
 
     @classmethod
@@ -139,6 +143,22 @@ class ReferenceEngine(Engine):
     def version(cls) -> str:
         import torch
         return f"{VERSION}+torch{torch.__version__}"
+
+    @classmethod
+    def variants(cls) -> dict[str, tuple[str | None, str, str]]:
+        from engines import peers
+        from engines.reference import kt_experts
+        why = peers.missing(kt_experts.DIST)
+        return {"reference@experts=kt": (why, "", "") if why else
+                (None, f"kt-kernel {peers.installed(kt_experts.DIST)}", kt_experts.cpu_variant())}
+
+    @classmethod
+    def isa(cls) -> str:
+        from engines.devices import cpu_isa
+        try:
+            return cpu_isa()            # MOEBENCH_ISA as asked, else the widest variant the CPU runs
+        except ValueError:
+            return ""
 
     def load(self, model: Path, s: EngineSettings) -> None:
         import torch
@@ -183,6 +203,13 @@ class ReferenceEngine(Engine):
             raise UserError(f"cache_type {cache_type!r} is not one of {', '.join(CACHE_TYPES)}.")
         if s.dtype not in ("auto", *TORCH_DTYPES):
             raise UserError(f"dtype {s.dtype!r} is not supported by the reference engine; use auto, f32, bf16 or f16.")
+        experts = str(x.get("experts", "reference"))
+        if experts not in EXPERTS:
+            raise UserError(f"experts {experts!r} is not one of {', '.join(EXPERTS)}.")
+        if experts == "kt":
+            from engines.reference import kt_experts
+            if (why := kt_experts.refusal(meta.path.name, arch, cfg, entries, depth, device, x)) is not None:
+                raise UserError(why)
         torch.set_num_threads(s.threads)
         self._kept_freed = keep_freed_memory()
         qk = kernels.quant_kernels()         # every run keeps host experts (and on a CPU device everything) here
@@ -193,21 +220,33 @@ class ReferenceEngine(Engine):
         dtype = compute_dtype(s.dtype, device.type, stored, cuda and torch.cuda.is_bf16_supported())
         if x.get("cpu_moe_threads"):
             host_threads, self._host_threads_rule = int(x["cpu_moe_threads"]), "set by cpu_moe_threads"
+        elif experts == "kt":
+            host_threads, self._host_threads_rule = kt_experts.split_threads(s.threads)[0], kt_experts.THREADS_RULE
         elif cuda:
             host_threads = max(1, min((os.cpu_count() or 2) // 2, 64))
             self._host_threads_rule = "TensorSharp: min(cpus // 2, 64)"
         else:
             host_threads = s.threads
             self._host_threads_rule = "threads: CPU-only, host and accelerator parts share the cores"
+        threads = s.threads
+        if experts == "kt" and depth:       # kt's workers and the engine's torch ops share the threads (THREADS_RULE)
+            threads = kt_experts.split_threads(s.threads, host_threads)[1]
+            torch.set_num_threads(threads)
         ocfg = OffloadConfig(n_cpu_moe=depth, path=path, stream_min_batch=int(x.get("moe_stream_min_batch", 128)),
-                             host_threads=host_threads, threads=s.threads)
+                             host_threads=host_threads, threads=threads)
         hold = Holder(GGUFFile(meta), device, hugepages=bool(x.get("hugepages", True)),
                       kernels=qk if x.get("repack", True) else None, bf16=dtype == "bf16")
 
         held = {}                  # name -> each matrix as held (compute_dtype and weights in info() read them)
 
-        def take(name: str, group: str = "non_experts", where: str = "accelerator") -> "object":
-            """A tensor of the file in its home: matrices as stored, vectors (and biases: experts' are (E, ff)) f32."""
+        def take(name: str, group: str = "non_experts", where: str = "accelerator", by_kt: bool = False) -> "object":
+            """A tensor of the file in its home: matrices as stored, vectors (and biases: experts' are (E, ff)) f32.
+            by_kt: an expert matrix kt computes from (experts=kt): the engine keeps the mapping's view, never read, and
+            books the bytes kt reads from its own mapping of the file (kt_experts)."""
+            if by_kt:
+                qt = hold.src.qtensor(name)
+                hold.ledger.add(group, where, qt.nbytes, qt.nbytes)
+                return qt
             if len(shapes[name]) == 1 or name.endswith(".bias"):
                 return hold.vector(name, group, where)
             held[name] = hold.matrix(name, group, where)
@@ -220,7 +259,8 @@ class ReferenceEngine(Engine):
             prefix = f"blk.{i}."
             names = [n for n in shapes if n.startswith(prefix)]
             where = "host" if i < depth else "accelerator"
-            ex = {n[len(prefix):]: take(n, "experts", where) for n in names if entries[n].layer is not None}
+            ex = {n[len(prefix):]: take(n, "experts", where, experts == "kt" and i < depth)
+                  for n in names if entries[n].layer is not None}
             layers.append({n[len(prefix):]: take(n) for n in names if entries[n].layer is None})
             stacks.append(ExpertStack(gate=ex.get("ffn_gate_exps.weight", ex.get("ffn_gate_up_exps.weight")),
                                       up=ex.get("ffn_up_exps.weight"), down=ex["ffn_down_exps.weight"],
@@ -235,6 +275,10 @@ class ReferenceEngine(Engine):
         top.setdefault("output.weight", top["token_embd.weight"])
         linear = Products(qk, getattr(torch, {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[dtype]))
         self.moe = MoEExecutor(stacks, ocfg, device, linear, Activation(arch.activation), kernels=qk)
+        on_host = [i for i, st in enumerate(stacks) if st.on_host]                 # the placement as built
+        self._cpu_moe_layers = host_layers(on_host, meta.moe_layers, accelerator=cuda)
+        if experts == "kt" and on_host:     # depth 0 leaves kt nothing: not loaded (its threads would spin)
+            self.moe.kt = kt_experts.KTExperts(meta, cfg, on_host, s.n_ubatch, host_threads)
         module, cls = arch.model.split(":")
         model_class = getattr(importlib.import_module(module), cls)
         self.model = model_class(cfg, layers, top, self.moe, linear, s.n_ctx, device, linear.dtype,
@@ -248,13 +292,16 @@ class ReferenceEngine(Engine):
         self.recorder = self.moe.recorder = self._recorder(x, meta, cfg, stacks, depth, s)
 
         self.s, self.cfg, self.meta, self.ledger, self.device, self._hold = s, cfg, meta, hold.ledger, device, hold
-        self.depth, self.ocfg, self.stored, self.isa = depth, ocfg, stored, qk.isa
+        self.depth, self.ocfg, self.stored, self.cpu_isa = depth, ocfg, stored, qk.isa
         self._dtype_name, self._huge = dtype, hold.hugepages
         self._n_host_tensors = sum(1 for n in shapes if entries[n].layer is not None
                                    and entries[n].layer < min(depth, cfg.n_trunk))
         self.all_logits = bool(x.get("logits_all", False))
         self.pos, self._logits = 0, None
         self._weights, self._weight_bytes = residency(hold, held)
+        if self.moe.kt is not None:         # kt reads the offloaded experts from its own mapping of the file
+            self._weight_bytes["mapped"] += hold.ledger.held_bytes("experts", "host")
+        self._experts = experts
         self._held, self._qk, self._ubatches = held, qk, set()      # _ubatches: the prefill chunk sizes run
 
     # --- running ------------------------------------------------------------------------------
@@ -322,9 +369,9 @@ class ReferenceEngine(Engine):
         lg = self.ledger
         eff = self.s.to_dict() | {
             "n_cpu_moe": self.depth, "dtype": self._dtype_name, "device": str(self.device),
-            "compute_dtype": self._phases(), "weights": self._weights,
+            "compute_dtype": self._phases(), "weights": self._weights, "experts": self._experts,
             "mmap": self._weights == "mapped",          # the products read the file mapping only if nothing was copied
-            "extra": dict(self.s.extra) | {"cpu_isa": self.isa,
+            "extra": dict(self.s.extra) | {"cpu_isa": self.cpu_isa,
                 "moe_path": self.ocfg.path, "moe_stream_min_batch": self.ocfg.stream_min_batch,
                 "cpu_moe_threads": self.ocfg.host_threads}
             | ({} if self.moe.cache is None else self.moe.cache.to_dict())}
@@ -332,10 +379,10 @@ class ReferenceEngine(Engine):
             engine=self.name, version=self.version(), settings=eff,
             bytes_by_device=lg.by_device(),
             expert_bytes_host=lg.held_bytes("experts", "host"), expert_bytes_total=lg.held_bytes("experts"),
-            n_overridden_tensors=self._n_host_tensors,
-            extra=lg.to_dict() | {
-                "arch": self.cfg.arch, "attention": "torch scaled_dot_product_attention", "file_dtype": self.stored,
-                "cpu_isa": self.isa, "kv_cache_dtype": str(self.model.cache_dtype).removeprefix("torch."),
+            n_overridden_tensors=self._n_host_tensors, cpu_moe_layers=list(self._cpu_moe_layers),
+            extra=lg.to_dict() | self._kt_info() | {
+                "arch": self.cfg.arch, "attention": self._attention(), "file_dtype": self.stored,
+                "cpu_isa": self.cpu_isa, "kv_cache_dtype": str(self.model.cache_dtype).removeprefix("torch."),
                 "host_device": "cpu", "accelerator_device": str(self.device),
                 "cpu_moe_threads_rule": self._host_threads_rule, "weights_hugepages": self._huge,
                 "weight_bytes": self._weight_bytes,
@@ -345,6 +392,21 @@ class ReferenceEngine(Engine):
                 "placement_note": ("the accelerator part runs on the CPU: no CUDA device" if self.device.type != "cuda"
                                    else "host experts are page-locked; the rest is on the GPU"),
                 **self.moe.counters.to_dict()})
+
+    def _attention(self) -> str:
+        """The attention each phase runs: a many-token batch goes through torch's SDPA; one token through the fused
+        C++ step (kernels.FusedDecode) where the model has one, else batched matmuls and a softmax (models/)."""
+        fused = getattr(self.model, "fused", None) is not None
+        decode = "fused C++ kernel (kernels.FusedDecode)" if fused else "torch batched matmul + softmax"
+        return f"prefill: torch scaled_dot_product_attention; decode: {decode}"
+
+    def _kt_info(self) -> dict:
+        """experts=kt: kt-kernel's version, ISA variant, method, threads and the layers it computes (none: depth 0)."""
+        if self._experts != "kt":
+            return {}
+        if self.moe.kt is None:
+            return {"kt_layers": [], "kt_note": "depth 0: no layer offloaded, so kt-kernel computed none (not loaded)"}
+        return self.moe.kt.info() | {"kt_engine_threads": self.ocfg.threads}      # the torch ops' share
 
     def _phases(self) -> dict[str, str]:
         """settings["compute_dtype"]: per phase, the words (cpu_arithmetic) of every product with a weight matrix
@@ -380,6 +442,9 @@ class ReferenceEngine(Engine):
             if cuda and t.layer is not None and self.moe.cache is not None:
                 words["prefill"].add(dtype)
                 words["decode"].add(dtype)
+        if self.moe.kt is not None:         # the offloaded experts: kt's arithmetic (its matrices are not in _held)
+            words["prefill"] |= self.moe.kt.words
+            words["decode"] |= self.moe.kt.words
         return {phase: joined(w) for phase, w in words.items()}
 
     def close(self) -> None:
@@ -404,7 +469,7 @@ class ReferenceEngine(Engine):
             "expert_bytes": [stacks[il].expert_bytes for il in moe], "n_cpu_moe": depth, "n_ubatch": s.n_ubatch})
 
     def _setup_cache(self, x: dict, offloaded: list, meta, device, ledger) -> None:
-        """The expert cache of extra cache_mib / cache_policy / cache_static_trace (engines.reference.cache)."""
+        """The expert cache of extra cache_mib / cache_policy / cache_static_trace (engines.reference.device_cache)."""
         mib = str(x.get("cache_mib", 0)).strip()
         if not mib.isdigit():
             raise UserError(f"cache_mib {x.get('cache_mib')!r} is not a whole number of MiB; use e.g. 0 or 512.")
@@ -413,7 +478,7 @@ class ReferenceEngine(Engine):
             raise UserError(f"cache_policy {policy!r} is not one the engine runs; use {', '.join(ONLINE_POLICIES)}.")
         if int(mib) == 0 or not offloaded:
             return
-        from engines.reference.cache import ExpertCache, capacities
+        from engines.reference.device_cache import ExpertCache, capacities
 
         static = None
         if policy == "static":
@@ -424,7 +489,7 @@ class ReferenceEngine(Engine):
 
     @staticmethod
     def _static_sets(x: dict, meta, offloaded: list, capacity: list[int]) -> list[list[int]]:
-        from engines.reference.cache import static_sets
+        from engines.reference.device_cache import static_sets
         from engines.routing import load_trace
 
         if not x.get("cache_static_trace"):

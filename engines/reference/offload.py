@@ -19,12 +19,15 @@ Paths for an offloaded layer (TensorSharp's scheme):
 Without CUDA the accelerator is the same RAM, so auto takes the host path at every batch size (a staging
 copy would cost time and bytes llama.cpp does not spend); stream can still be forced (path="stream", its
 staging buffer a CPU tensor) and checked to give the same output as host.
-  cache   with an expert cache (engines.reference.cache, engine setting cache_mib): every batch of an offloaded
+  cache   with an expert cache (engines.reference.device_cache, engine setting cache_mib): every batch of an offloaded
           layer asks the cache; experts it holds (or admits, copying them into a slot) run from their slots on
           the accelerator, the rest from host RAM as on the host path.
 
-Two optional passengers, None unless asked for (one attribute test a call when off): `recorder`, an
-engines.routing.TraceRecorder that sees every MoE call's ids and weights (routing traces), and `cache`.
+  kt      with KTransformers' experts (engines.reference.kt_experts, engine setting experts=kt): kt-kernel computes
+          the offloaded layers' experts (from its own mapping of the file), at every batch size.
+
+Three optional passengers, None unless asked for (one attribute test a call when off): `recorder`, an
+engines.routing.TraceRecorder that sees every MoE call's ids and weights (routing traces), `cache` and `kt`.
 """
 from __future__ import annotations
 
@@ -138,7 +141,8 @@ def grouped_experts(linear: Callable, s: ExpertStack, x: torch.Tensor, ids: torc
 
 @dataclass
 class Counters:
-    calls: dict[str, int] = field(default_factory=lambda: {"resident": 0, "host": 0, "stream": 0, "cache": 0})
+    calls: dict[str, int] = field(default_factory=lambda: {"resident": 0, "host": 0, "stream": 0, "cache": 0,
+                                                           "kt": 0})
     streamed_experts: int = 0
     streamed_bytes: int = 0
     prefetched_layers: int = 0
@@ -189,8 +193,9 @@ class MoEExecutor:
         self._n = 0
         self.recorder = None          # engines.routing.TraceRecorder: records every call's routing
         self.moe_index: dict[int, int] = {il: li for li, il in enumerate(i for i, s in enumerate(layers) if s)}
-        self.cache = None             # engines.reference.cache.ExpertCache over the offloaded layers
+        self.cache = None             # engines.reference.device_cache.ExpertCache over the offloaded layers
         self.phase = 0                # 0 prefill, 1 decode: what the engine is running (the cache counts per phase)
+        self.kt = None                # engines.reference.kt_experts.KTExperts: computes the offloaded layers' experts
 
     @property
     def staging_bytes(self) -> int:
@@ -199,6 +204,8 @@ class MoEExecutor:
     def path_for(self, il: int, n: int) -> str:
         if not self.layers[il].on_host:
             return "resident"
+        if self.kt is not None:
+            return "kt"
         if self.cache is not None:
             return "cache"
         if self.cfg.path != "auto":
@@ -223,6 +230,8 @@ class MoEExecutor:
         s = self.layers[il]
         if s.scale is not None:                                # an expert's output scale folds into its weight
             w = w * s.scale.to(w.device)[ids]
+        if path == "kt":
+            return self.kt(il, x, ids, w)
         if path == "stream":
             return self._stream(il, x, ids, w)
         if path == "cache":
@@ -243,7 +252,7 @@ class MoEExecutor:
 
     def _cached(self, il: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """An offloaded layer with the expert cache: its experts from the slots where the cache holds them, the
-        rest from host RAM (engines.reference.cache). On the CPU a mixed request is gathered into one stack, so
+        rest from host RAM (engines.reference.device_cache). On the CPU a mixed request is gathered into one stack, so
         every token's sum runs in routing order as without the cache (bit-identical); on CUDA the slots' part runs
         on the GPU, the rest on the CPU, and the two parts add."""
         c, j = self.cache, self.moe_index[il]

@@ -5,7 +5,7 @@
 # the checkout they are in) plus an optional set-up command that installs the build to measure
 # (BASE_SETUP, CAND_SETUP, e.g. `pip install --force-reinstall ./wheels/llama_cpp_python-base.whl`).
 # The two sweeps run one after the other with the same settings; compare judges every cell
-# (a 1 - ALPHA interval of each ratio that excludes 1, and a THRESHOLD change, see the README) and writes
+# (a 1 - ALPHA interval of each ratio that excludes 1, and a THRESHOLD change, see docs/ci.md) and writes
 # compare.md for a PR comment.
 #
 # Settings (environment):      default

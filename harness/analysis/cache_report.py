@@ -1,7 +1,8 @@
 """The expert-cache planner's page (`moebench cache --report DIR`): cache.md, a self-contained cache.html and PNGs:
 hit rate vs cache MiB per policy with both bounds, link and CPU bytes per token vs cache MiB, expert popularity per
 layer (heat map), the reuse-distance histogram, and the time model's predicted vs measured seconds per token.
-Built from harness.planning.cache studies; the page machinery (paragraphs, escaping, HTML) is harness.analysis.report's.
+Built from harness.planning.cache_planner studies; the page machinery (paragraphs, escaping, HTML) is
+harness.analysis.report's.
 """
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import numpy as np
 
 from harness.analysis.plots import _plt, _save, slug
 from harness.analysis.report import P, Report, to_html, to_markdown
-from harness.planning import cache as plan_cache
-from harness.planning.cache_stats import reuse_labels
+from harness.planning import cache_planner as plan_cache
+from harness.planning.trace_stats import reuse_labels
 
 COLORS = {"none": "tab:gray", "static": "tab:green", "lru": "tab:blue", "lfu": "tab:purple", "classlru": "tab:orange"}
 BOUND_STYLE = {"belady": dict(color="black", ls="--"), "static-oracle": dict(color="tab:green", ls=":")}

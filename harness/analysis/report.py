@@ -16,9 +16,9 @@ from pathlib import Path
 from engines.errors import UserError
 from harness.analysis.tables import md_escape
 
-A_PREFERRED, B_PREFERRED = ("tensorsharp", "reference"), ("llama-bench", "llama-cpp")
+A_PREFERRED, B_PREFERRED = ("reference", "tensorsharp"), ("llama-cpp", "llama-bench")    # as `report --help` says
 SETTINGS = ["n_ctx", "n_batch", "n_ubatch", "threads", "flash_attn", "device", "dtype", "mmap", "extra",
-            "expert_host_fraction", "expert_bytes_host", "host", "node"]
+            "expert_host_fraction", "expert_bytes_host", "cpu_moe_layers", "host", "node"]
 @dataclass
 class P:
     """A paragraph: a trusted template with untrusted fields, escaped per output format."""
@@ -74,13 +74,17 @@ def load_runs(run_dirs: list[Path]):
     return runs, cells, meas, samples
 
 
-def pick_engines(engines: list[str], engine_a: str | None, baseline: str | None) -> tuple[str, str]:
+def pick_engines(engines: list[str], engine_a: str | None, baseline: str | None,
+                 failed: frozenset[str] = frozenset()) -> tuple[str, str]:
+    """Engines A and B of a comparison: the ones asked for, else the preferred ones present. An engine in failed
+    (not one cell ok) is never a default: a baseline that measured nothing would turn every ratio into its error."""
     for e in (engine_a, baseline):
         if e and e not in engines:
             raise UserError(f"Engine {e!r} is not in these results; choose from: {', '.join(engines)}.")
-    arms = [e for e in engines if e.startswith(("A:", "B:"))]      # an interleaved run: A against B
-    b = baseline or next((e for e in [*B_PREFERRED, *arms[1:]] if e in engines), engines[0])
-    a = engine_a or next((e for e in [*A_PREFERRED, *engines] if e in engines and e != b), "(none)")
+    usable = [e for e in engines if e not in failed] or engines
+    arms = [e for e in usable if e.startswith(("A:", "B:"))]       # an interleaved run: A against B
+    b = baseline or next((e for e in [*B_PREFERRED, *arms[1:]] if e in usable), usable[0])
+    a = engine_a or next((e for e in [*A_PREFERRED, *usable] if e in usable and e != b), "(none)")
     return a, b
 
 
@@ -232,6 +236,19 @@ def fairness_rows(cells, meas, a: str, b: str, depths: list[int]) -> list[dict]:
     return rows
 
 
+def host_layers_text(cells, a: str, b: str, depths: list[int]) -> str:
+    """Whether A and B kept the same layers' experts in host memory at each depth (results.layers_compared)."""
+    from harness.store.results import layers_compared
+
+    parts = []
+    for d in depths:
+        ca, cb = (last_cell(cells, e, d) for e in (a, b))
+        if ca is not None and cb is not None:
+            parts.append(f"n_cpu_moe {d}: " + (layers_compared(ca.get("cpu_moe_layers"), cb.get("cpu_moe_layers"))
+                                               or "not reported by both"))
+    return "; ".join(parts) or "no depth with both engines"
+
+
 def _runs_rows(runs: list[dict]) -> list[dict]:
     rows = []
     for r in runs:
@@ -306,7 +323,8 @@ def write_report(run_dirs: list[Path], out_dir: Path, engine_a: str | None = Non
     runs, cells, meas, samples = load_runs(run_dirs)
     if cells.empty:
         raise UserError(f"No finished cells in {', '.join(map(str, run_dirs))}; run a sweep first (moebench sweep).")
-    a, b = pick_engines(sorted(cells["engine"].unique()), engine_a, baseline)
+    failed = frozenset(cells["engine"]) - frozenset(cells.loc[cells["status"] == "ok", "engine"])
+    a, b = pick_engines(sorted(cells["engine"].unique()), engine_a, baseline, failed)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = results.summarize(cells, meas)
     rep = Report(out_dir)
@@ -364,6 +382,8 @@ def write_report(run_dirs: list[Path], out_dir: Path, engine_a: str | None = Non
               unit=iv.describe())
         rep.tables.append((title, [{"model": model} | r for r in layout]))
         rep.layout += rep.tables[-1][1]
+        para("Host layers (the layers whose routed experts each engine kept in host memory, as it reported them): "
+             "{text}.", text=host_layers_text(mcells, a, b, depths))
         fair = fairness_rows(mcells, meas, a, b, depths)
         if fair:
             table(fair, "Fairness: settings that differed between {a} and {b} at the same depth", a=a, b=b)

@@ -22,5 +22,9 @@ def engines() -> None:
         except UserError as e:
             cls, why = None, str(e)
         rows.append({"engine": name, "available": "yes" if why is None else "no",
-                     "version": cls.version() if why is None else "", "note": why or ""})
+                     "version": cls.version() if why is None else "", "ISA": cls.isa() if why is None else "",
+                     "note": why or ""})
+        for spec, (why, version, isa) in (cls.variants() if cls else {}).items():
+            rows.append({"engine": spec, "available": "yes" if why is None else "no", "version": version,
+                         "ISA": isa, "note": why or ""})
     render(rows, title="engines")

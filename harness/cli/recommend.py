@@ -55,13 +55,13 @@ def recommend(model, vram, ram, n_ctx, objective, runs, margin, engine, n_ubatch
     plan = make_plan(meta, PlanSettings(engine=engine, n_ctx=n_ctx, n_ubatch=n_ubatch), runs)
     rec = recommend_depth(plan, objective, vram_b, ram_b, margin_b, runs)
     if trace_path:
-        from harness.planning import cache, cache_model
+        from harness.planning import cache_planner, cache_time_model
 
-        traces = [t for _, t in cache.load([Path(trace_path)])]
+        traces = [t for _, t in cache_planner.load([Path(trace_path)])]
         # this file's trace, else the first: with_cache says why another file's does not fit
         trace = next((t for t in traces if t.header.get("fingerprint") == meta.fingerprint), traces[0])
-        points = cache_model.measured_points(runs) if runs else []
-        with_cache(rec, trace, cache_policy, cache_model.fit_all(points).get("decode") if points else None)
+        points = cache_time_model.measured_points(runs) if runs else []
+        with_cache(rec, trace, cache_policy, cache_time_model.fit_all(points).get("decode") if points else None)
     title = (f"{meta.name}, {engine}, ctx {n_ctx}: VRAM {vram_b / GiB:.2f} GiB ({vram_src}), "
              f"RAM {ram_b / GiB:.2f} GiB ({ram_src}), margin {margin_b / GiB:.2f} GiB")
     render(table(rec), fmt, title=title, out=output, json_payload=to_json(rec))

@@ -62,7 +62,7 @@ from harness.run.spec import ROUND_ORDERS
 @click.option("--resume", type=click.Path(file_okay=False), default=None, help="Continue results/<run_id>.")
 @click.option("--strict", is_flag=True, help="Exit 1 if any cell failed.")
 @click.option("--interleave", is_flag=True,
-              help="A/B: exactly two engine specs (NAME[@KEY=VALUE]...), measured turn by turn (see README).")
+              help="A/B: exactly two engine specs (NAME[@KEY=VALUE]...), measured turn by turn (docs/sweeps.md).")
 @click.option("--rounds", type=int, default=None,
               help="Run the sweep this many times over: round 1 runs every cell once in a fresh process with its "
                    "share of the repetitions, then round 2 ..., so drift falls on every engine and depth alike; "
@@ -204,13 +204,15 @@ def show_run(run_dir: Path, fmt: str = "table", output: str | None = None) -> No
 
 
 def ratio_rows(cells, meas, run: dict | None = None) -> tuple[list[dict], set[str]]:
-    """Every engine over the baseline the report picks (llama-bench or llama-cpp first), per model, depth and
+    """Every engine over the baseline the report picks (llama-cpp or llama-bench first), per model, depth and
     workload: the ratio with its 95 % interval and verdict, and the median ratio (harness.stats.ratio_interval,
     paired as run.json says); and why some ratios have no interval."""
     from harness.analysis.report import Intervals, pick_engines
     from harness.stats import fmt_ratio
 
-    ok = cells[cells["status"] == "ok"]
+    from harness.store.results import layers_compared
+
+    ok = cells[cells["status"] == "ok"].assign(engine=cells["label"])     # knob variants and bin= builds apart
     if ok["engine"].nunique() < 2:
         return [], set()
     _, b = pick_engines(sorted(ok["engine"].unique()), None, None)
@@ -222,11 +224,13 @@ def ratio_rows(cells, meas, run: dict | None = None) -> tuple[list[dict], set[st
                 for wl in dict.fromkeys(meas.loc[meas["cell_id"].isin(g["cell_id"]), "workload"]):
                     iv = get(a, b, depth, wl)
                     if iv:
+                        layers = (g.loc[g["engine"] == e, "cpu_moe_layers"].iloc[-1] if "cpu_moe_layers" in g else ""
+                                  for e in (a, b))
                         rows.append({"model": g["model_name"].iloc[0], "n_cpu_moe": depth, "workload": wl,
                                      "A / B": f"{a} / {b}", "ratio (95% CI)": iv.text(),
                                      "median ratio": f"{fmt_ratio(iv.median_ratio)}x"
                                      if iv.median_ratio == iv.median_ratio else "", "verdict": iv.verdict,
-                                     "over": f"{iv.n} {iv.unit}"})
+                                     "over": f"{iv.n} {iv.unit}", "host layers": layers_compared(*layers)})
         notes |= get.notes
     return rows, notes
 

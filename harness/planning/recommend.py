@@ -38,7 +38,7 @@ class DepthRow:
     predicted: dict[str, tuple[float, float]] = field(default_factory=dict)
     bound: dict[str, float] = field(default_factory=dict)
     score: float = NAN
-    cache: object = None              # harness.planning.cache.CacheAdvice with a trace (recommend --trace)
+    cache: object = None              # harness.planning.cache_planner.CacheAdvice with a trace (recommend --trace)
 
 
 @dataclass
@@ -282,10 +282,10 @@ def recommend_depth(plan: Plan, objective: str, vram: int, ram: int, margin: int
 
 def with_cache(rec: Recommendation, trace, policy: str = "classlru", fit=None) -> None:
     """What an expert cache in the VRAM each feasible depth leaves free buys, replayed on a routing trace of this
-    model (harness.planning.cache.advise); the pick (depth plus cache size) goes into the rationale beside the
+    model (harness.planning.cache_planner.advise); the pick (depth plus cache size) goes into the rationale beside the
     depth without a cache."""
     from engines.gguf_meta import clean_text
-    from harness.planning.cache import advise
+    from harness.planning.cache_planner import advise
 
     fp = clean_text(str(trace.header.get("fingerprint")), 32)          # a trace file is untrusted input
     if fp != rec.plan.meta.fingerprint:

@@ -27,61 +27,14 @@ import os
 import sys
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 from engines.base import Engine
 from engines.errors import UserError
 from engines.registry import engine_class
-from harness.run.spec import Cell, SweepSpec, expand
+from harness.run.spec import Cell, EngineSpec, SweepSpec, expand, parse_engine_spec
 
 ARMS = ("A", "B")
-SPEC_KEYS = {"threads": int, "n_ctx": int, "n_batch": int, "n_ubatch": int, "flash_attn": str}
-
-
-@dataclass
-class EngineSpec:
-    text: str
-    engine: str
-    overrides: dict       # SweepSpec fields
-    extra: dict           # engine-specific knobs
-
-
-def _value(text: str):
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            return text
-
-
-def parse_engine_spec(text: str) -> EngineSpec:
-    """`llama-cpp@threads=1@n_ubatch=64` -> EngineSpec(engine='llama-cpp', overrides={...})."""
-    name, *pairs = text.strip().split("@")
-    overrides, extra = {}, {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not (sep and key.strip() and value.strip()):
-            raise UserError(f"Engine spec {text!r}: {pair!r} is not KEY=VALUE; write e.g. llama-cpp@threads=1.")
-        key, value = key.strip(), value.strip()
-        if key in SPEC_KEYS:
-            try:
-                overrides[key] = SPEC_KEYS[key](value)
-            except ValueError:
-                raise UserError(f"Engine spec {text!r}: {key} must be a whole number, not {value!r}.") from None
-        else:
-            extra[key] = _value(value)
-    if not name.strip():
-        raise UserError(f"Engine spec {text!r} has no engine name; "
-                        "write NAME[@KEY=VALUE]..., e.g. llama-cpp@threads=1.")
-    return EngineSpec(text.strip(), name.strip(), overrides, extra)
-
-
 def arm_spec(spec: SweepSpec, es: EngineSpec) -> SweepSpec:
     return dataclasses.replace(spec, engines=[es.engine], extra=spec.extra | es.extra, **es.overrides)
 

@@ -2,23 +2,103 @@
 from __future__ import annotations
 
 import os
+import re
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engines.base import ANY_WHOLE_NUMBER, EngineSettings, parse_depth
 from engines.errors import UserError
 from engines.gguf_meta import ModelMeta
-from engines.registry import check_available
+from engines.registry import check_available, engine_class
 from harness.run.checks import read_checked
 from harness.store.results import CellKey
 from workloads.grammar import DEFAULT_WORKLOADS, parse_workloads
 from workloads.synth import resolve_model
 
 
+# an engine spec's keys that are sweep settings; every other key is an engine knob (EngineSettings.extra)
+SPEC_KEYS = {"threads": int, "n_ctx": int, "n_batch": int, "n_ubatch": int, "flash_attn": str}
+LABEL_CHARS = re.compile(r"[A-Za-z0-9._+-]+")    # a spec's values as they appear in cell ids and labels
+
+
+@dataclass
+class EngineSpec:
+    """`NAME[@KEY=VALUE]...`: an engine with its own settings, e.g. `llama-cpp@threads=1`, `reference@experts=kt`,
+    `llama-bench@bin=PATH@rtr=1` (bin: the binary of an external engine)."""
+    text: str
+    engine: str
+    overrides: dict       # SweepSpec fields
+    extra: dict           # engine-specific knobs
+
+
+def _value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+
+def parse_engine_spec(text: str) -> EngineSpec:
+    """`llama-cpp@threads=1@n_ubatch=64` -> EngineSpec(engine='llama-cpp', overrides={...})."""
+    name, *pairs = text.strip().split("@")
+    overrides, extra = {}, {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not (sep and key.strip() and value.strip()):
+            raise UserError(f"Engine spec {text!r}: {pair!r} is not KEY=VALUE; write e.g. llama-cpp@threads=1.")
+        key, value = key.strip(), value.strip()
+        if key in SPEC_KEYS:
+            try:
+                overrides[key] = SPEC_KEYS[key](value)
+            except ValueError:
+                raise UserError(f"Engine spec {text!r}: {key} must be a whole number, not {value!r}.") from None
+        else:
+            extra[key] = _value(value)
+    if not name.strip():
+        raise UserError(f"Engine spec {text!r} has no engine name; "
+                        "write NAME[@KEY=VALUE]..., e.g. llama-cpp@threads=1.")
+    return EngineSpec(text.strip(), name.strip(), overrides, extra)
+
+
+def spec_settings(es: EngineSpec, cls: type) -> tuple[dict, str]:
+    """A sweep's engine spec -> (its engine settings, its label in cell ids: `key=value@...`). `bin=PATH` names an
+    external engine's binary (settings.extra[cls.extra_key]), labelled by its build (cls.spec_label), since a path
+    cannot be part of a cell id."""
+    extra, label = {}, []
+    for key, value in es.extra.items():
+        if key == "bin":
+            if not getattr(cls, "extra_key", ""):
+                raise UserError(f"Engine spec {es.text!r}: {es.engine} runs no external binary, so it takes no bin=; "
+                                f"drop it.")
+            path = Path(str(value)).expanduser().absolute()
+            if not path.is_file():
+                raise UserError(f"Engine spec {es.text!r}: {path} is not a file; give the path of the "
+                                f"{cls.binary_name} binary.")
+            extra[cls.extra_key], value = str(path), cls.spec_label(str(path))
+        else:
+            allowed = getattr(cls, "knobs", {}).get(key)
+            if allowed and allowed != ANY_WHOLE_NUMBER and str(value) not in allowed:
+                raise UserError(f"Engine spec {es.text!r}: {key}={value} is not valid; use {', '.join(allowed)}.")
+            extra[key] = value
+        if not LABEL_CHARS.fullmatch(str(value)):
+            raise UserError(f"Engine spec {es.text!r}: {key}={value!r} cannot name a cell (letters, digits and . _ + - "
+                            f"only); give it as a sweep option instead.")
+        label.append(f"{key}={value}")
+    label += [f"{k}={v}" for k, v in es.overrides.items()]
+    return extra, "@".join(label)
+
+
 @dataclass
 class SweepSpec:
     models: list[str]                       # paths, or preset:NAME[:DTYPE] (synthesized into the cache)
-    engines: list[str]
+    engines: list[str]                      # engine specs (EngineSpec): NAME[@KEY=VALUE]...
     depths: list[str] = field(default_factory=lambda: ["0"])     # N or "all"
     workloads: list[str] = field(default_factory=lambda: DEFAULT_WORKLOADS.split(","))
     repetitions: int = 5
@@ -110,7 +190,16 @@ def expand(spec: SweepSpec) -> list[Cell]:
     if not spec.models:
         raise UserError("No model given; pass -m FILE.gguf or -m preset:tiny.")
     workloads = parse_workloads(",".join(spec.workloads))
-    classes = {e: check_available(e) for e in spec.engines}
+    specs = [parse_engine_spec(e) for e in spec.engines]
+    # an engine given its binary (bin=) needs no other one to be found
+    classes = {es.engine: engine_class(es.engine) if "bin" in es.extra else check_available(es.engine) for es in specs}
+    own = {es.text: spec_settings(es, classes[es.engine]) for es in specs}
+    seen: dict[tuple, str] = {}
+    for es in specs:
+        key = (es.engine, own[es.text][1])
+        if key in seen:
+            raise UserError(f"Engine specs {seen[key]!r} and {es.text!r} name the same cells; drop one.")
+        seen[key] = es.text
     for knob, values in spec.knobs.items():
         takes = [c for c in classes.values() if knob in c.knobs]
         if not takes:
@@ -133,13 +222,16 @@ def expand(spec: SweepSpec) -> list[Cell]:
         depths: dict[int, str] = {}
         for d in spec.depths:
             depths.setdefault(parse_depth(d, meta.n_layers), d)
-        for engine in spec.engines:
-            for knobs, variant in crossings(spec.knobs, classes[engine].knobs):
+        for es in specs:
+            extra, spec_label = own[es.text]
+            for knobs, variant in crossings(spec.knobs, classes[es.engine].knobs):
                 for n, label in depths.items():
                     s = EngineSettings(n_cpu_moe=n, n_ctx=n_ctx, n_batch=spec.n_batch, n_ubatch=spec.n_ubatch,
                                        threads=spec.threads, flash_attn=spec.flash_attn, seed=spec.seed,
-                                       extra=dict(spec.extra) | knobs)
-                    cells.append(Cell(engine, meta.path, meta, label, s, variant=variant))
+                                       extra=dict(spec.extra) | extra | knobs)
+                    s = dataclasses.replace(s, **es.overrides)
+                    cells.append(Cell(es.engine, meta.path, meta, label, s,
+                                      variant="@".join(v for v in (spec_label, variant) if v)))
     return cells
 
 

@@ -29,7 +29,7 @@ from harness.run.ray import Cluster
 from harness.run.runner import (ROUNDS_DIR, drop_rounds, drop_unfinished, join_rounds, load_rounds, new_run_dir,
                                 prepare_run_dir, probe_steadiness, round_sizes, run_cell, save_round, save_run_json,
                                 write_run_json)
-from harness.run.precision import PILOT
+from harness.run.until import PILOT
 from harness.run.spec import Cell, SweepSpec, default_rounds, expand
 from harness.store import results
 from harness.store.history import index_run      # every finished run is indexed into <results-dir>/history.sqlite
@@ -163,12 +163,12 @@ def run_sweep(spec: SweepSpec, results_dir: Path, resume: Path | None = None,
 
 def _until(spec: SweepSpec, cells: list[Cell], parts: dict, ended: set, sizes: list[int], run_dir: Path,
            run_round: Callable, on_cell) -> None:
-    """--until (harness.run.precision: Stein's two-stage rule): the cells in compared pairs run interleaved rounds
+    """--until (harness.run.until: Stein's two-stage rule): the cells in compared pairs run interleaved rounds
     up to the pilot (PILOT, or the planned rounds if more), then, round by round, those whose pairs need more, up to
     what the pilot fixed (at most spec.max_rounds rounds in all, none started after spec.max_minutes); then say in
     run.json["until"] (and on stderr) what each pair needed and got, and why any fell short. run.json["until"]
     ["pilot"] is what every reader needs to compute the same interval."""
-    from harness.run.precision import pairs, rounds_wanted
+    from harness.run.until import pairs, rounds_wanted
 
     pilot, cap = max(PILOT, len(sizes)), max(spec.max_rounds, len(sizes))
     t0, k = time.monotonic(), len(sizes)

@@ -40,7 +40,7 @@ def _delta(after: dict, before: dict) -> float:
 
 class Turns:
     """The worker's side of taking turns (no-op outside --interleave; the gate is
-    two named pipes from harness/interleave.py): wait() before a step, post() after."""
+    two named pipes from harness/run/interleave.py): wait() before a step, post() after."""
 
     def __init__(self, gate: dict | None):
         # O_RDWR: opening never blocks and a write never fails, even when the other arm is gone

@@ -67,7 +67,7 @@ def pairing(run: dict) -> dict:
     """How harness.stats.ratio_interval treats two cells of this run (run.json), as keyword arguments: `paired`
     when round r of both ran in the same stretch of time (interleaved rounds, --interleave's turns; not
     back-to-back rounds, each cell's rounds in a row), and the `pilot` of an --until run (its rounds after the
-    pilot were chosen by Stein's two-stage rule, harness.run.precision, whose interval needs it)."""
+    pilot were chosen by Stein's two-stage rule, harness.run.until, whose interval needs it)."""
     return {"paired": (run.get("rounds") or {}).get("order") != "back-to-back",
             "pilot": (run.get("until") or {}).get("pilot")}
 

@@ -1,6 +1,6 @@
 """Result files of a run: schema, incremental writing, reading, summaries.
 
-results/<run_id>/run.json, cells.csv, measurements.csv, samples.csv (DESIGN.md, "Results").
+results/<run_id>/run.json, cells.csv, measurements.csv, samples.csv (docs/design.md, "The result schema").
 Rows are appended as each cell finishes, so an interrupted sweep keeps every finished cell.
 Readers select columns by name, never by position.
 """
@@ -27,8 +27,8 @@ FIELD_LIMIT = 65536
 CELL_COLUMNS = [
     "run_id", "cell_id", "engine", "engine_version", "model", "model_name", "model_fingerprint", "arch",
     "n_layers", "n_moe_layers", "depth", "n_cpu_moe", "expert_host_fraction", "expert_bytes_host",
-    "expert_bytes_total", "n_overridden_tensors", "n_ctx", "n_batch", "n_ubatch", "threads", "flash_attn",
-    "device", "dtype", "mmap", "extra", "effective_settings", "bytes_by_device", "status", "error",
+    "expert_bytes_total", "n_overridden_tensors", "cpu_moe_layers", "n_ctx", "n_batch", "n_ubatch", "threads",
+    "flash_attn", "device", "dtype", "mmap", "extra", "effective_settings", "bytes_by_device", "status", "error",
     "load_s", "wall_s", "peak_rss_mib", "peak_rss_anon_mib", "peak_rss_file_mib", "peak_vram_mib", "host", "node",
     "arm",
     # the worker's RSS before load() with the engine's runtime imported (Engine.runtime), and peak_rss_mib minus it
@@ -91,6 +91,29 @@ class CellKey:
             return self.engine + (f"@{self.variant}" if self.variant else "")
         spec = ((run or {}).get("interleave") or {}).get(self.arm, self.engine)
         return f"{self.arm}:{spec}"
+
+
+def layer_text(layers: list[int] | None) -> str:
+    """cells.csv's cpu_moe_layers: the layers an engine placed in host memory as ranges ("0-3", "0-1,5"), "none" for
+    no layer, "" when the engine cannot tell (EngineInfo.cpu_moe_layers)."""
+    if layers is None:
+        return ""
+    runs: list[list[int]] = []
+    for i in sorted(set(layers)):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs) or "none"
+
+
+def layers_compared(a, b) -> str:
+    """Two cells' cpu_moe_layers side by side for a ratio: "same (0-3)" when both engines kept the same layers in host
+    memory, else what each kept ("" when either cannot tell, or a run predates the column)."""
+    a, b = ("" if x is None or x != x else str(x) for x in (a, b))
+    if not a or not b:
+        return ""
+    return f"same ({a})" if a == b else f"differ: A kept {a}, B kept {b}"
 
 
 def _fmt(v) -> object:

@@ -66,7 +66,7 @@ ARCHS = [
 PRESETS = {
     # a few MB: unit and integration tests
     "tiny": Preset(Hparams("qwen3moe", 4, 128, 4, 2, 32, 8, 2, 64, 1024), dtype="f32"),
-    # ~0.9 GB: the measured reference point in DESIGN.md
+    # ~0.9 GB: `make bench`'s model; a decoded token reads ~100 MB of experts, far beyond the CPU caches
     "small": Preset(Hparams("qwen3moe", 8, 1024, 16, 4, 64, 32, 4, 512, 4096)),
     # Qwen3-30B-A3B layer shapes (n_embd 2048, 128 experts, top-8, expert ff 768, 32/4 heads x 128)
     # with 4 of its 48 layers and a 32K vocab: ~5 GB in f16

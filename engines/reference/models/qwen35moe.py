@@ -1,8 +1,8 @@
 """qwen35moe's forward pass (Qwen3.5-35B-A3B family): Gated DeltaNet layers with a recurrent state, gated
 full-attention layers with a KV cache, a routed + gated shared MoE in every layer; MTP blocks are never run.
 
-Semantics follow llama.cpp (src/models/qwen35moe.cpp, src/models/delta-net-base.cpp; line references in
-/work/notes/qwen35moe/spec.md, whose float64 oracle this ports):
+Semantics follow llama.cpp (src/models/qwen35moe.cpp, src/models/delta-net-base.cpp of the llama.cpp that
+llama-cpp-python vendors; tests/test_arch_qwen35moe.py holds them to a float64 oracle):
 
   x = token_embd[tokens]
   per trunk layer:  h = rms_norm(x) * attn_norm

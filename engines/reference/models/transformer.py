@@ -1,6 +1,6 @@
 """The MoE transformer in one readable file (gpt-fast style): products with weights as stored, static KV
 cache, and separate prefill / decode functions. Hyperparameters and per-architecture features come from
-archs.py; a layer's tensors are read by their GGUF names inside the layer (`attn_q.weight`).
+engines/reference/archs/; a layer's tensors are read by their GGUF names inside the layer (`attn_q.weight`).
 
 Semantics follow llama.cpp's graphs (src/models/{qwen3moe,qwen2moe,olmoe,llama}.cpp):
 RMSNorm everywhere, attention scale 1/sqrt(head_dim), router = softmax over all experts then top-k

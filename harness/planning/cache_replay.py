@@ -1,4 +1,4 @@
-"""Replay a routing trace (engines.routing) through device expert caches (engines.expert_cache) for a VRAM budget,
+"""Replay a routing trace (engines.routing) through device expert caches (engines.cache_policies) for a VRAM budget,
 with two bounds on every answer: Belady (optimal replacement) and the best static set in hindsight.
 
 A request = one forward pass (step) x one host MoE layer: the distinct experts its tokens route to. What a step
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engines.errors import UserError
-from engines.expert_cache import make_policy
+from engines.cache_policies import make_policy
 from engines.routing import PHASES, Trace
 
 BIG_BATCH = 32          # llama.cpp: GGML_OP_OFFLOAD_MIN_BATCH and the MoE cache's max_batch
@@ -145,7 +145,7 @@ def _new_tally(steps: Steps) -> dict[str, Tally]:
 
 def replay(steps: Steps, policy, select=None, tally: dict[str, Tally] | None = None,
            big_batch: float = BIG_BATCH) -> dict[str, Tally]:
-    """Feed the steps (those with select[s] true, default all) through one engines.expert_cache policy; steps of
+    """Feed the steps (those with select[s] true, default all) through one engines.cache_policies policy; steps of
     >= big_batch tokens only read the cache (see the module doc)."""
     tally = tally or _new_tally(steps)
     for s in range(len(steps.phase)):

@@ -1,6 +1,6 @@
 """The expert-cache planner (`moebench cache`, and `moebench recommend --trace`): which experts to keep in VRAM and
-what that buys, from routing traces. The parts: cache_sim (replay through engines.expert_cache policies, Belady and
-the static oracle), cache_stats (the trace's own statistics), cache_model (the time model, fitted on measured
+what that buys, from routing traces. The parts: cache_replay (replay through engines.cache_policies policies, Belady and
+the static oracle), trace_stats (the trace's own statistics), cache_time_model (the time model, fitted on measured
 cells); this module runs them over budgets and policies and shapes the rows that tables, reports and
 recommendations print.
 """
@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engines.errors import UserError
-from engines.expert_cache import POLICIES
+from engines.cache_policies import POLICIES
 from engines.routing import PHASES, Trace, load_trace
-from harness.planning import cache_sim as cs
-from harness.planning.cache_stats import TraceStats, stats_by_phase
+from harness.planning import cache_replay as cs
+from harness.planning.trace_stats import TraceStats, stats_by_phase
 
 BOUNDS = ("belady", "static-oracle")
 MAX_TRACES = 64

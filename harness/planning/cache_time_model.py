@@ -22,7 +22,7 @@ import numpy as np
 
 from engines.errors import UserError
 from engines.routing import PHASES, Trace, load_trace
-from harness.planning import cache_sim as cs
+from harness.planning import cache_replay as cs
 
 FEATURES = ("cpu_bytes", "link_bytes", "syncs")
 REFERENCE_STREAM_MIN = 128        # reference engine on CUDA: batches of >= 128 tokens take the stream path

@@ -1,4 +1,4 @@
-"""Device expert-cache policies, shared by the planner's simulator (harness/planning/cache_sim.py) and the
+"""Device expert-cache policies, shared by the planner's simulator (harness/planning/cache_replay.py) and the
 reference engine's own cache, so simulated and counted hits agree by construction when both feed the same
 requests. Torch-free engine leaf: stdlib only.
 

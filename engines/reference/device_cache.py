@@ -1,7 +1,7 @@
 """The reference engine's own device cache of offloaded experts (engine settings cache_mib, cache_policy,
 cache_static_trace): a number of expert slots on the accelerator for each layer whose experts live in host RAM.
 
-Which experts the slots hold is decided by engines.expert_cache (the policies the planner simulates), fed the same
+Which experts the slots hold is decided by engines.cache_policies (the policies the planner simulates), fed the same
 requests the planner replays from a routing trace: per forward pass and offloaded MoE layer, the distinct experts
 its tokens route to (ascending), their selection counts and the token clock (tokens of the run's earlier passes).
 So the counted hits, misses and uploads equal the simulated ones on the same trace by construction.
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engines.errors import UserError
-from engines.expert_cache import make_policy
+from engines.cache_policies import make_policy
 from engines.reference.offload import ExpertStack
 from engines.reference.qtensor import QTensor
 
