@@ -27,7 +27,9 @@ IMAGE_IMPORTS = {"torch", "numpy", "pandas", "matplotlib", "psutil", "pynvml", "
                  "fsspec", "sympy", "networkx", "triton", "cupy", "jax", "safetensors", "tabulate", "PIL", "pyarrow",
                  "cmake", "ninja", "scikit_build_core", "pybind11", "cython", "xxhash", "msgpack", "markdown"}
 CARRIED = {"gguf", "diskcache", "llama_cpp"}         # wheels in .gpu/, and the CUDA build
-OPTIONAL = {"ray": "only with --ray; its wheel (75 MiB for cp311 here) exceeds the 64 MiB that travel"}
+OPTIONAL = {"ray": "only with --ray; its wheel (75 MiB for cp311 here) exceeds the 64 MiB that travel",
+            "ik_llama_cpp": "the optional ik-llama-cpp engine's package (make peers), not part of the GPU check",
+            "kt_kernel": "reference@experts=kt's package (make peers), CPU-only and not part of the GPU check"}
 PROJECT = {"harness", "engines", "workloads", "tests", "benchmarks"}
 
 
