@@ -162,7 +162,9 @@ class Engine(ABC):
 Q8_ACTIVATIONS = "q8-activations"
 ARITHMETIC = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": Q8_ACTIVATIONS, "Q8_1": Q8_ACTIVATIONS,
               "Q8_K": Q8_ACTIVATIONS}
-WEIGHTS = ("mapped", "copy", "hugepage-copy", "mapped+repacked-copy")
+WEIGHTS = ("mapped", "copy", "hugepage-copy", "mapped+repacked-copy", "mapped+copy", "mapped+hugepage-copy")
+# mapped+...: some products read the file mapping, the others a copy (llama.cpp's repacked buffers; the reference engine
+# whose offloaded experts kt-kernel computes from its own mapping of the file)
 
 
 def arithmetic(activation_type: str) -> str:

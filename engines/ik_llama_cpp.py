@@ -24,7 +24,7 @@ from engines.base import Q8_ACTIVATIONS, Engine, EngineInfo, EngineSettings, ari
 from engines.errors import UserError
 from engines.c_layout import LayoutError, Types, header_struct, header_text, layout_difference
 from engines.gguf_meta import GGML_TYPES, clean_text, read_meta
-from engines.llama_cpp import MIB, compute_dtype, override_patterns
+from engines.llama_cpp import MIB, compute_dtype, fill_batch, override_patterns
 
 DIST = "ik-llama-cpp-python"
 # "llm_load_tensors:        CPU buffer size =     4.77 MiB" (model), "...: CPU KV buffer size = ...", "CPU  output ...",
@@ -243,16 +243,11 @@ class IkLlamaCppEngine(Engine):
         self.pos = 0
 
     def _decode(self, tokens: Sequence[int]) -> None:
-        b, n = self.batch, len(tokens)
-        for i, t in enumerate(tokens):
-            b.token[i], b.pos[i], b.n_seq_id[i] = t, self.pos + i, 1
-            b.seq_id[i][0] = 0
-            b.logits[i] = i == n - 1         # only the last token's logits, like llama-bench
-        b.n_tokens = n
-        rc = self.C.llama_decode(self.ctx, b)
+        fill_batch(self.batch, tokens, self.pos)
+        rc = self.C.llama_decode(self.ctx, self.batch)
         if rc != 0:
             raise RuntimeError(f"ik-llama-cpp's llama_decode returned {rc} at position {self.pos}")
-        self.pos += n
+        self.pos += len(tokens)
 
     def prefill(self, tokens: Sequence[int]) -> None:
         for i in range(0, len(tokens), self.n_batch):      # the library splits each batch into ubatches

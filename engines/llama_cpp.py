@@ -97,6 +97,17 @@ def compute_dtype(meta: ModelMeta, word_of) -> dict[str, str]:
     return {"prefill": words, "decode": words}
 
 
+def fill_batch(b, tokens: Sequence[int], pos: int) -> None:
+    """llama_batch `b` (llama.h's struct, any binding's) holds `tokens` at positions pos..., in sequence 0, asking for
+    the last token's logits only, as llama-bench does."""
+    n = len(tokens)
+    for i, t in enumerate(tokens):
+        b.token[i], b.pos[i], b.n_seq_id[i] = t, pos + i, 1
+        b.seq_id[i][0] = 0
+        b.logits[i] = i == n - 1
+    b.n_tokens = n
+
+
 def override_patterns(n_cpu_moe: int) -> list[str]:
     """One regex per offloaded layer (searched, not anchored, so `blk\\.1\\.` must not match blk.10)."""
     return [rf"blk\.{i}\.ffn_(up|down|gate|gate_up)_(ch|)exps" for i in range(n_cpu_moe)]
@@ -197,16 +208,11 @@ class LlamaCppEngine(Engine):
         self.pos = 0
 
     def _decode(self, tokens: Sequence[int]) -> None:
-        b, n = self.batch, len(tokens)
-        for i, t in enumerate(tokens):
-            b.token[i], b.pos[i], b.n_seq_id[i] = t, self.pos + i, 1
-            b.seq_id[i][0] = 0
-            b.logits[i] = i == n - 1         # only the last token's logits, like llama-bench
-        b.n_tokens = n
-        rc = self.L.llama_decode(self.ctx, b)
+        fill_batch(self.batch, tokens, self.pos)
+        rc = self.L.llama_decode(self.ctx, self.batch)
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc} at position {self.pos}")
-        self.pos += n
+        self.pos += len(tokens)
 
     def prefill(self, tokens: Sequence[int]) -> None:
         for i in range(0, len(tokens), self.s.n_batch):    # llama.cpp splits each batch into ubatches

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -133,32 +134,40 @@ def build_llama_bench(version: str | None, cuda: bool | None, jobs: int | None, 
     if binary.is_file() and compare.is_file() and not force and not stale:
         return f"already built: {binary} (--force rebuilds)"
     cuda = cuda_present() if cuda is None else cuda
+    with _workspace(dest) as (work, log):
+        # pip reuses its cache, so a second build downloads nothing
+        _run(echo, [sys.executable, "-m", "pip", "download", f"llama-cpp-python=={version}", "--no-deps",
+                    "--no-binary", ":all:", "-d", str(work)], log)
+        sdist = next(work.glob("llama_cpp_python-*.tar.gz"), None) or next(work.glob("*.tar.gz"), None)
+        if sdist is None:
+            raise UserError(f"pip did not download a source distribution of llama-cpp-python=={version}; "
+                            f"check the version and that PyPI is reachable.")
+        with tarfile.open(sdist) as tf:
+            tf.extractall(work, filter="data")
+        src = next(p for p in work.iterdir() if p.is_dir() and (p / "vendor" / "llama.cpp").is_dir())
+        llama = src / "vendor" / "llama.cpp"
+        _compile(echo, llama, work, binary, cuda, jobs, log)
+        shutil.copy2(llama / "scripts" / COMPARE_SCRIPT, compare)
+        # what we built from; engines.llama_bench reads it for the version, since the binary says "unknown"
+        commit = _vendor_commit(src, version)
+        (dest / "build.json").write_text(json.dumps({
+            "llama_cpp_python": version, "cuda": cuda, "sdist": sdist.name, "llama_cpp_commit": commit}, indent=2))
+    return (f"built {binary} (llama-cpp-python {version}, llama.cpp {commit or 'commit unknown'}, "
+            f"cuda={'on' if cuda else 'off'})")
+
+
+@contextmanager
+def _workspace(dest: Path):
+    """(a build tree beside dest, dest/build.log open for writing); the tree (1+ GB) goes afterwards, built or not, and
+    a failed build keeps only its log."""
     _need_cmake()
     dest.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="llama-bench-", dir=dest.parent))
     try:
         with open(dest / "build.log", "wb") as log:
-            # pip reuses its cache, so a second build downloads nothing
-            _run(echo, [sys.executable, "-m", "pip", "download", f"llama-cpp-python=={version}", "--no-deps",
-                  "--no-binary", ":all:", "-d", str(work)], log)
-            sdist = next(work.glob("llama_cpp_python-*.tar.gz"), None) or next(work.glob("*.tar.gz"), None)
-            if sdist is None:
-                raise UserError(f"pip did not download a source distribution of llama-cpp-python=={version}; "
-                                f"check the version and that PyPI is reachable.")
-            with tarfile.open(sdist) as tf:
-                tf.extractall(work, filter="data")
-            src = next(p for p in work.iterdir() if p.is_dir() and (p / "vendor" / "llama.cpp").is_dir())
-            llama = src / "vendor" / "llama.cpp"
-            _compile(echo, llama, work, binary, cuda, jobs, log)
-            shutil.copy2(llama / "scripts" / COMPARE_SCRIPT, compare)
-        # what we built from; engines.llama_bench reads it for the version, since the binary says "unknown"
-        commit = _vendor_commit(src, version)
-        (dest / "build.json").write_text(json.dumps({
-            "llama_cpp_python": version, "cuda": cuda, "sdist": sdist.name, "llama_cpp_commit": commit}, indent=2))
-    finally:   # the unpacked sdist and build tree are 1+ GB; a failed build keeps only build.log
+            yield work, log
+    finally:
         shutil.rmtree(work, ignore_errors=True)
-    return (f"built {binary} (llama-cpp-python {version}, llama.cpp {commit or 'commit unknown'}, "
-            f"cuda={'on' if cuda else 'off'})")
 
 
 def source_checkout(source: str):
@@ -194,14 +203,8 @@ def build_llama_bench_source(source: str, cuda: bool | None, jobs: int | None, f
     if binary.is_file() and fresh and not force and not LlamaBenchEngine.amx_fallback(binary):
         return f"already built: {binary} (--force rebuilds)"
     cuda = cuda_present() if cuda is None else cuda
-    _need_cmake()
-    dest.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="llama-bench-", dir=dest.parent))
-    try:
-        with open(dest / "build.log", "wb") as log:
-            _compile(echo, c.root, work, binary, cuda, jobs, log, git=True)
+    with _workspace(dest) as (work, log):
+        _compile(echo, c.root, work, binary, cuda, jobs, log, git=True)
         (dest / "build.json").write_text(json.dumps({
             "source": str(c.root), "fork": c.fork, "commit": c.commit, "cuda": cuda, "label": dest.name}, indent=2))
-    finally:   # the build tree is 1+ GB
-        shutil.rmtree(work, ignore_errors=True)
     return f"built {binary} ({c.fork} {c.commit or 'commit unknown'} from {c.root}, cuda={'on' if cuda else 'off'})"

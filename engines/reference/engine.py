@@ -301,6 +301,7 @@ class ReferenceEngine(Engine):
         self._weights, self._weight_bytes = residency(hold, held)
         if self.moe.kt is not None:         # kt reads the offloaded experts from its own mapping of the file
             self._weight_bytes["mapped"] += hold.ledger.held_bytes("experts", "host")
+            self._weights = self._weights if self._weights == "mapped" else f"mapped+{self._weights}"
         self._experts = experts
         self._held, self._qk, self._ubatches = held, qk, set()      # _ubatches: the prefill chunk sizes run
 
