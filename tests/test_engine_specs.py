@@ -53,6 +53,7 @@ def test_a_binary_per_spec_is_labelled_by_its_build_not_its_path(tiny, tmp_path)
     ("reference@bin=/bin/true", "takes no bin="),
     ("llama-bench@bin=/nonexistent/llama-bench", "is not a file"),
     ("llama-cpp@repack=2", "repack=2 is not valid"),
+    ("reference@cache_mib=lots", "cache_mib=lots is not valid; use a whole number"),
     ("llama-cpp@op_offload=a/b", "cannot name a cell"),
     ("llama-cpp@repack", "is not KEY=VALUE"),
 ])

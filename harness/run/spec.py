@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import os
 import re
-import dataclasses
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from engines.base import ANY_WHOLE_NUMBER, EngineSettings, parse_depth
@@ -67,6 +66,15 @@ def parse_engine_spec(text: str) -> EngineSpec:
     return EngineSpec(text.strip(), name.strip(), overrides, extra)
 
 
+def knob_value_ok(allowed: tuple[str, ...], value) -> bool:
+    """Whether an engine knob (Engine.knobs: its values, or ANY_WHOLE_NUMBER) takes `value`."""
+    return str(value).isdigit() if allowed == ANY_WHOLE_NUMBER else str(value) in allowed
+
+
+def allowed_text(allowed: tuple[str, ...]) -> str:
+    return "a whole number" if allowed == ANY_WHOLE_NUMBER else ", ".join(allowed)
+
+
 def spec_settings(es: EngineSpec, cls: type) -> tuple[dict, str]:
     """A sweep's engine spec -> (its engine settings, its label in cell ids: `key=value@...`). `bin=PATH` names an
     external engine's binary (settings.extra[cls.extra_key]), labelled by its build (cls.spec_label), since a path
@@ -84,8 +92,8 @@ def spec_settings(es: EngineSpec, cls: type) -> tuple[dict, str]:
             extra[cls.extra_key], value = str(path), cls.spec_label(str(path))
         else:
             allowed = getattr(cls, "knobs", {}).get(key)
-            if allowed and allowed != ANY_WHOLE_NUMBER and str(value) not in allowed:
-                raise UserError(f"Engine spec {es.text!r}: {key}={value} is not valid; use {', '.join(allowed)}.")
+            if allowed and not knob_value_ok(allowed, value):
+                raise UserError(f"Engine spec {es.text!r}: {key}={value} is not valid; use {allowed_text(allowed)}.")
             extra[key] = value
         if not LABEL_CHARS.fullmatch(str(value)):
             raise UserError(f"Engine spec {es.text!r}: {key}={value!r} cannot name a cell (letters, digits and . _ + - "
@@ -208,9 +216,8 @@ def expand(spec: SweepSpec) -> list[Cell]:
                             f"drop it or add an engine that does ({who}).")
         allowed = takes[0].knobs[knob]
         for v in values:
-            if not (str(v).isdigit() if allowed == ANY_WHOLE_NUMBER else str(v) in allowed):
-                raise UserError(f"--{knob.replace('_', '-')} {v!r} is not valid; use "
-                                f"{'a whole number' if allowed == ANY_WHOLE_NUMBER else ', '.join(allowed)}.")
+            if not knob_value_ok(allowed, v):
+                raise UserError(f"--{knob.replace('_', '-')} {v!r} is not valid; use {allowed_text(allowed)}.")
     n_ctx = spec.n_ctx or max(w.n_ctx_needed for w in workloads)
     if n_ctx < max(w.n_ctx_needed for w in workloads):
         raise UserError(f"--n-ctx {n_ctx} is smaller than the largest workload needs "
@@ -229,7 +236,7 @@ def expand(spec: SweepSpec) -> list[Cell]:
                     s = EngineSettings(n_cpu_moe=n, n_ctx=n_ctx, n_batch=spec.n_batch, n_ubatch=spec.n_ubatch,
                                        threads=spec.threads, flash_attn=spec.flash_attn, seed=spec.seed,
                                        extra=dict(spec.extra) | extra | knobs)
-                    s = dataclasses.replace(s, **es.overrides)
+                    s = replace(s, **es.overrides)
                     cells.append(Cell(es.engine, meta.path, meta, label, s,
                                       variant="@".join(v for v in (spec_label, variant) if v)))
     return cells
