@@ -171,12 +171,14 @@ at::Tensor f32_rows(const at::Tensor& x, int64_t k, const char* what) {
 }
 
 // groups r0.. (whole groups up to r1) times n <= GNX x rows: out[i * ldo + r - r0], two groups at a time where
-// the kernel has gdot2
+// the kernel has gdot2 and n > 1. One x row (decode) streams one group at a time: on a Zen 4 EPYC, 2 threads, the
+// two-group kernels read one token's routed experts at 28 GB/s against 32-40 one group at a time (every x8 type),
+// and a 4096 x 4096 F16 matvec at 29 against 38 (benchmarks/kernels.py)
 inline void group_dots(const Weight& w, int64_t r0, int64_t r1, const XRow* x, int64_t n, float* out, int64_t ldo) {
   const Kernel& kn = *w.kern;
   const int64_t g = kn.group;
   int64_t r = r0;
-  if (kn.gdot2[0])
+  if (kn.gdot2[0] && n > 1)
     for (; r + 2 * g <= r1; r += 2 * g) kn.gdot2[n - 1](w.row(r), w.k, x, out + r - r0, ldo);
   for (; r < r1; r += g) kn.gdot[n - 1](w.row(r), w.k, x, out + r - r0, ldo);
 }
