@@ -116,3 +116,31 @@ def test_fused_attention_blocks_of_query_heads(tmp_path, n_head, n_head_kv, head
     fused, _ = decode_logits(path, True, cache="f32")
     plain, _ = decode_logits(path, False, cache="f32")
     assert np.abs(fused - plain).max() < 1e-5
+
+
+@pytest.mark.parametrize("cache", ["float16", "float32"])
+@pytest.mark.parametrize("n_head,n_head_kv,head_dim,lo,end", [(6, 2, 36, 0, 1), (10, 2, 64, 5, 40), (8, 8, 16, 30, 64)])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_attend_against_float64(cache, n_head, n_head_kv, head_dim, lo, end, sinks):
+    """QuantKernels.attend (every model's one-token attention on the CPU) over a window of an f16 or f32 cache, with
+    and without gpt-oss's sinks, against softmax(scale q K^T [, sink]) V in float64 on the cache's values."""
+    import torch
+    qk = kernels.quant_kernels()
+    if isinstance(qk, str):
+        pytest.skip(qk)
+    g = torch.Generator().manual_seed(end)
+    Kc, Vc = (torch.randn(n_head_kv, 64, head_dim, generator=g).to(getattr(torch, cache)) for _ in range(2))
+    q = torch.randn(n_head * head_dim, generator=g)
+    sk = torch.randn(n_head, generator=g) * 2 if sinks else None
+    scale = head_dim ** -0.5
+    got = qk.attend(q, Kc, Vc, lo, end, scale, sk)
+
+    K, V = Kc[:, lo:end].double(), Vc[:, lo:end].double()
+    s = (q.double().view(n_head_kv, -1, head_dim) @ K.transpose(1, 2)) * scale       # (Hkv, G, T)
+    if sinks:
+        s = torch.cat((s, sk.double().view(n_head_kv, -1, 1)), -1)
+    p = torch.softmax(s, -1)[..., :end - lo]
+    want = (p @ V).reshape(1, -1)
+    assert got.shape == want.shape and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="window"):
+        qk.attend(q, Kc, Vc, 10, 65, scale)

@@ -263,6 +263,15 @@ class QuantKernels:
         self.ext.norm_rope_(t, norm, eps, cos, sin, pos, neox, hd)
         return t
 
+    def attend(self, q: torch.Tensor, Kc: torch.Tensor, Vc: torch.Tensor, lo: int, end: int, scale: float,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """One token's attention over rows lo..end-1 of a layer's KV cache: q (H * hd values) f32, Kc, Vc (Hkv, n_ctx,
+        hd) f16 or f32 -> (1, H * hd) f32, per head h softmax(scale q_h K^T [, sinks_h]) V, head h reading kv head
+        h // (H / Hkv). sinks (H,) f32: one more score per head that adds no value row (gpt-oss). Reads the f16 cache
+        as it is, where ATen's matmuls would first make f32 copies of the window (two of 16 MB a token for a
+        4096-row gemma-4 global layer)."""
+        return self.ext.attend(q, Kc, Vc, lo, end, scale, sinks)
+
     def fused(self, features: frozenset[str]) -> "FusedDecode | None":
         """The fused one-token steps for a model with these architecture features, or None when one of
         them is outside FUSED_FEATURES (the model then decodes with its own ops)."""

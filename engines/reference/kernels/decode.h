@@ -349,8 +349,11 @@ float kv1(const uint16_t* p) { return _cvtsh_ss(*p); }
 // NB query heads (q: NB rows of hd) that read one kv head (K, V: T rows of hd) -> o (NB rows of hd) =
 // softmax(q K^T scale) V; p: NB x T scratch. Each K and V row is loaded and converted once for the NB heads,
 // whose independent FMA chains hide each other's latency; the exponentials are ggml's vectorized v_expf.
+// sink (NB values, or null): one more score per head that takes its share of the softmax and adds no value row
+// (gpt-oss; ggml's soft_max with sinks).
 template <int NB, class KV>
-void attend_heads(const float* q, const KV* K, const KV* V, int64_t T, int64_t hd, float scale, float* p, float* o) {
+void attend_heads(const float* q, const KV* K, const KV* V, int64_t T, int64_t hd, float scale, const float* sink,
+                  float* p, float* o) {
   for (int64_t t = 0; t < T; ++t, K += hd) {
     vf acc[NB];
     for (int j = 0; j < NB; ++j) acc[j] = vzero();
@@ -367,7 +370,7 @@ void attend_heads(const float* q, const KV* K, const KV* V, int64_t T, int64_t h
   }
   for (int j = 0; j < NB; ++j) {            // p_j = softmax(p_j)
     float* pj = p + j * T;
-    const float mx = *std::max_element(pj, pj + T);
+    const float mx = std::max(*std::max_element(pj, pj + T), sink ? sink[j] : -INFINITY);
     vf vs = vzero();
     int64_t t = 0;
     for (; t + VL <= T; t += VL) {
@@ -375,7 +378,7 @@ void attend_heads(const float* q, const KV* K, const KV* V, int64_t T, int64_t h
       vstore(pj + t, e);
       vs = vadd(vs, e);
     }
-    float sum = vsum(vs);
+    float sum = vsum(vs) + (sink ? std::exp(sink[j] - mx) : 0.f);
     for (; t < T; ++t) sum += pj[t] = std::exp(pj[t] - mx);
     const float inv = 1.f / sum;
     for (t = 0; t < T; ++t) pj[t] *= inv;
@@ -404,6 +407,58 @@ void attend_heads(const float* q, const KV* K, const KV* V, int64_t T, int64_t h
 void store_kv(const float* x, float* y, int64_t n) { std::copy(x, x + n, y); }
 void store_kv(const float* x, uint16_t* y, int64_t n) { to_f16(x, y, n); }
 
+// One token's attention over rows lo..end-1 of a layer's KV cache K, V (Hkv, n_ctx, hd; f32, or f16 bits):
+// o (H * hd) = per head h softmax(q_h K^T scale [, sinks_h]) V, head h reading kv head h / (H / Hkv)
+template <class KV>
+void attend_window(const float* q, const KV* K, const KV* V, int64_t H, int64_t Hkv, int64_t n_ctx, int64_t hd,
+                   int64_t lo, int64_t end, float scale, const float* sinks, float* o) {
+  // tasks: a kv head's query heads in blocks of up to HB
+  constexpr int64_t HB = 4;
+  const int64_t G = H / Hkv, T = end - lo, blocks = (G + HB - 1) / HB;
+  at::parallel_for(0, Hkv * blocks, grain(2 * T * hd * 4), [&](int64_t b, int64_t e) {
+    std::vector<float> p(HB * T);
+    for (int64_t task = b; task < e; ++task) {
+      const int64_t g = task / blocks, h0 = g * G + task % blocks * HB, nb = std::min(HB, (g + 1) * G - h0);
+      const KV *Kg = K + (g * n_ctx + lo) * hd, *Vg = V + (g * n_ctx + lo) * hd;
+      const float *qh = q + h0 * hd, *sk = sinks ? sinks + h0 : nullptr;
+      float* oh = o + h0 * hd;
+      if (nb == 4) attend_heads<4>(qh, Kg, Vg, T, hd, scale, sk, p.data(), oh);
+      else if (nb == 3) attend_heads<3>(qh, Kg, Vg, T, hd, scale, sk, p.data(), oh);
+      else if (nb == 2) attend_heads<2>(qh, Kg, Vg, T, hd, scale, sk, p.data(), oh);
+      else attend_heads<1>(qh, Kg, Vg, T, hd, scale, sk, p.data(), oh);
+    }
+  });
+}
+
+// The checked KV cache of a layer: Kc, Vc (Hkv, n_ctx, hd) contiguous f16 or f32 CPU tensors; true for f16
+bool kv_cache(const at::Tensor& Kc, const at::Tensor& Vc) {
+  const bool half = Kc.scalar_type() == at::kHalf;
+  TORCH_CHECK_VALUE(Kc.dim() == 3 && Kc.sizes() == Vc.sizes() && (half || Kc.scalar_type() == at::kFloat) &&
+                    Vc.scalar_type() == Kc.scalar_type() && Kc.is_contiguous() && Vc.is_contiguous() &&
+                    Kc.device().is_cpu() && Vc.device().is_cpu(), "Kc, Vc: (Hkv, n_ctx, hd) contiguous f16 or f32 CPU tensors");
+  return half;
+}
+
+// attend_window as the models' one-token branches call it: q (H * hd values) f32, Kc, Vc their layer's cache,
+// window lo..end-1, sinks (H) f32 or none -> (1, H * hd) f32
+at::Tensor attend(at::Tensor q, at::Tensor Kc, at::Tensor Vc, int64_t lo, int64_t end, double scale,
+                  std::optional<at::Tensor> sinks) {
+  const bool half = kv_cache(Kc, Vc);
+  const int64_t Hkv = Kc.size(0), n_ctx = Kc.size(1), hd = Kc.size(2);
+  TORCH_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat && hd > 0 && q.numel() % (Hkv * hd) == 0,
+                    "q: f32 CPU tensor of a multiple of Hkv * hd = ", Hkv * hd, " values");
+  TORCH_CHECK_VALUE(0 <= lo && lo < end && end <= n_ctx, "window ", lo, "..", end, " outside the cache's ", n_ctx, " rows");
+  const int64_t H = q.numel() / hd;
+  q = q.contiguous();
+  const float* sk = f32_or_null(sinks, H, "sinks");
+  auto o = at::empty({1, H * hd}, q.options());
+  if (half) attend_window(q.data_ptr<float>(), (const uint16_t*)Kc.data_ptr<at::Half>(), (const uint16_t*)Vc.data_ptr<at::Half>(),
+                          H, Hkv, n_ctx, hd, lo, end, (float)scale, sk, o.data_ptr<float>());
+  else attend_window(q.data_ptr<float>(), Kc.data_ptr<float>(), Vc.data_ptr<float>(), H, Hkv, n_ctx, hd, lo, end,
+                     (float)scale, sk, o.data_ptr<float>());
+  return o;
+}
+
 // One layer's attention for one token, model.attention's n == 1 branch in one call:
 // x (1, D) f32 residual -> x + Wo attn (1, D) f32. h = rms_norm(x) * attn_norm; q, k, v = Wq h, Wk h,
 // Wv h (+ biases); q and k normed in groups of q_norm's and k_norm's length (qwen3moe: per head;
@@ -417,10 +472,7 @@ at::Tensor attn_decode(at::Tensor x, std::optional<at::Tensor> attn_norm, double
                        at::Tensor cos, at::Tensor sin, int64_t pos, bool neox, int64_t H, WArg wo_a) {
   const int64_t D = x.numel();
   x = f32_rows(x, D, "x");
-  const bool half = Kc.scalar_type() == at::kHalf;
-  TORCH_CHECK_VALUE(Kc.dim() == 3 && Kc.sizes() == Vc.sizes() && (half || Kc.scalar_type() == at::kFloat) &&
-                    Vc.scalar_type() == Kc.scalar_type() && Kc.is_contiguous() && Vc.is_contiguous() &&
-                    Kc.device().is_cpu() && Vc.device().is_cpu(), "Kc, Vc: (Hkv, n_ctx, hd) contiguous f16 or f32 CPU tensors");
+  const bool half = kv_cache(Kc, Vc);
   const int64_t Hkv = Kc.size(0), n_ctx = Kc.size(1), hd = Kc.size(2), qd = H * hd, kvd = Hkv * hd;
   TORCH_CHECK_VALUE(H > 0 && Hkv > 0 && H % Hkv == 0 && hd % 2 == 0, "H must be a multiple of Hkv, head size even");
   const Weight wq = weight(wq_a), wk = weight(wk_a), wv = weight(wv_a), wo = weight(wo_a);
@@ -461,30 +513,13 @@ at::Tensor attn_decode(at::Tensor x, std::optional<at::Tensor> attn_norm, double
   std::vector<float> rot(hd);
   norm_rope_row(q, qd, qw, gq, eps, c, s, neox, hd, rot.data());
   norm_rope_row(k, kvd, kw, gk, eps, c, s, neox, hd, rot.data());
-  const int64_t T = pos + 1, G = H / Hkv;
-  const float scale = 1.f / std::sqrt((float)hd);
-  std::vector<float> o(qd, 0.f);
+  std::vector<float> o(qd);
   const auto attend = [&](auto* K, auto* V) {        // float* or uint16_t* (f16 bits)
     for (int64_t g = 0; g < Hkv; ++g) {
       store_kv(k + g * hd, K + (g * n_ctx + pos) * hd, hd);
       store_kv(v + g * hd, V + (g * n_ctx + pos) * hd, hd);
     }
-    // tasks: a kv head's query heads (head h reads kv head h / G) in blocks of up to HB
-    constexpr int64_t HB = 4;
-    const int64_t blocks = (G + HB - 1) / HB;
-    at::parallel_for(0, Hkv * blocks, grain(2 * T * hd * 4), [&](int64_t b, int64_t e) {
-      std::vector<float> p(HB * T);
-      for (int64_t task = b; task < e; ++task) {
-        const int64_t g = task / blocks, h0 = g * G + task % blocks * HB, nb = std::min(HB, (g + 1) * G - h0);
-        const auto *Kg = K + g * n_ctx * hd, *Vg = V + g * n_ctx * hd;
-        const float* qh = q + h0 * hd;
-        float* oh = o.data() + h0 * hd;
-        if (nb == 4) attend_heads<4>(qh, Kg, Vg, T, hd, scale, p.data(), oh);
-        else if (nb == 3) attend_heads<3>(qh, Kg, Vg, T, hd, scale, p.data(), oh);
-        else if (nb == 2) attend_heads<2>(qh, Kg, Vg, T, hd, scale, p.data(), oh);
-        else attend_heads<1>(qh, Kg, Vg, T, hd, scale, p.data(), oh);
-      }
-    });
+    attend_window(q, K, V, H, Hkv, n_ctx, hd, 0, pos + 1, 1.f / std::sqrt((float)hd), nullptr, o.data());
   };
   if (half) attend((uint16_t*)Kc.data_ptr<at::Half>(), (uint16_t*)Vc.data_ptr<at::Half>());
   else attend(Kc.data_ptr<float>(), Vc.data_ptr<float>());

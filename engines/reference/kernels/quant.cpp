@@ -448,6 +448,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_x", &quantize_x);
   m.def("act", &act);
   m.def("attn_decode", &attn_decode);
+  m.def("attend", &attend);
   m.def("norm_rope_", &norm_rope_);
   m.def("rms_norm", &rms_norm);
   m.def("route_decode", &route_decode);

@@ -113,12 +113,11 @@ class Gemma4(Transformer):
         K[:, pos:end] = qk[:, H:].transpose(0, 1)
         V[:, pos:end] = v.transpose(0, 1)
         lo = max(0, pos - cfg.n_swa + 1) if swa else 0                            # the first query's oldest key
-        Kw, Vw = kv_window(K, V, lo, end)                                         # (Hkv, T, hd)
-        q = qk[:, :H].to(Kw.dtype)
-        if n == 1:   # decode: every key of the window is visible; batched matmuls beat SDPA for one query
-            p = torch.softmax((q.view(Hkv, H // Hkv, hd) @ Kw.transpose(1, 2)).float(), dim=-1)   # scale 1
-            o = (p.to(Vw.dtype) @ Vw).reshape(1, H * hd)
+        if n == 1:   # decode: every key of the window is visible
+            o = self.linear.attend(qk[:, :H], K, V, lo, end, 1.0)                 # scale 1
         else:
+            Kw, Vw = kv_window(K, V, lo, end)                                     # (Hkv, T, hd)
+            q = qk[:, :H].to(Kw.dtype)
             qp = torch.arange(pos, end, device=x.device)[:, None]
             kp = torch.arange(lo, end, device=x.device)[None, :]
             mask = (kp <= qp) & (qp - kp < cfg.n_swa) if swa else kp <= qp       # (n, T)

@@ -68,11 +68,7 @@ class GptOss(Transformer):
 
     def __init__(self, cfg: GptOssHparams, *args, **kw):
         super().__init__(cfg, *args, **kw)
-        H, Hkv = cfg.n_head, cfg.n_head_kv
-        # decode: the sinks as a last score column per (kv head, group) -- q head h reads kv head h // (H/Hkv)
-        self.sinks = [lw["attn_sinks.weight"].view(Hkv, H // Hkv, 1) for lw in self.layers]
-        self.zero_kv = torch.zeros(Hkv, 1, cfg.head_dim, dtype=self.kv_dtype, device=self.device)
-        self.no_bias = torch.zeros(1, 1, 1, dtype=self.kv_dtype, device=self.device)   # baddbmm's input, beta 0
+        self.zero_kv = torch.zeros(cfg.n_head_kv, 1, cfg.head_dim, dtype=self.kv_dtype, device=self.device)
 
     def make_caches(self) -> list:
         cfg = self.cfg
@@ -105,12 +101,10 @@ class GptOss(Transformer):
         Vc[:, pos:end] = v.view(n, Hkv, hd).transpose(0, 1)
         swa = cfg.is_swa(il)
         start = max(0, pos - cfg.n_swa + 1) if swa else 0                        # first key the first query sees
-        K, V = kv_window(Kc, Vc, start, end)                                     # (Hkv, m, hd)
-        if n == 1:   # decode: batched matmuls over the window, the sink as one more score column
-            sc = torch.baddbmm(self.no_bias, q.view(Hkv, H // Hkv, hd), K.transpose(1, 2), beta=0, alpha=hd ** -0.5)
-            p = torch.softmax(torch.cat((sc.float(), self.sinks[il]), -1), dim=-1)   # (Hkv, G, m+1)
-            o = (p[..., :-1].to(V.dtype) @ V).reshape(1, cfg.q_dim)             # (1, H*hd)
+        if n == 1:   # decode: the sink as one more score per head
+            o = lin.attend(q, Kc, Vc, start, end, hd ** -0.5, lw["attn_sinks.weight"])    # (1, H*hd)
         else:        # SDPA over the keys plus a zero key/value whose mask entry is the sink logit
+            K, V = kv_window(Kc, Vc, start, end)                                 # (Hkv, m, hd)
             qp = torch.arange(pos, end, device=x.device)[:, None]                # (n, 1) query positions
             kp = torch.arange(start, end, device=x.device)[None, :]              # (1, m) key positions
             seen = (kp <= qp) & ((qp - kp < cfg.n_swa) if swa else True)         # (n, m)

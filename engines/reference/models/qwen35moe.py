@@ -201,12 +201,11 @@ class Qwen35MoE(Transformer):
         end = pos + n
         Kc[:, pos:end] = k.transpose(0, 1)
         Vc[:, pos:end] = v.reshape(n, Hkv, hd).transpose(0, 1)
-        K, V = kv_window(Kc, Vc, 0, end)                                           # (Hkv, end, hd)
-        q = q.to(K.dtype)
-        if n == 1:   # decode: batched matmuls (transformer.attention: 10x faster than SDPA for one query on CPU)
-            att = torch.softmax((q.view(Hkv, H // Hkv, hd) @ K.transpose(1, 2)).float() * hd ** -0.5, dim=-1)
-            o = (att.to(V.dtype) @ V).reshape(1, cfg.q_dim)                        # head j reads kv head j // (H/Hkv)
+        if n == 1:
+            o = lin.attend(q, Kc, Vc, 0, end, hd ** -0.5)                           # (1, H*hd)
         else:        # query i at pos+i sees keys 0..pos+i
+            K, V = kv_window(Kc, Vc, 0, end)                                       # (Hkv, end, hd)
+            q = q.to(K.dtype)
             mask = None if pos == 0 else torch.ones(n, end, dtype=torch.bool, device=h.device).tril(diagonal=pos)
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], K[None], V[None], attn_mask=mask,
                                                is_causal=pos == 0, enable_gqa=True)

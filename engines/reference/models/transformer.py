@@ -60,6 +60,23 @@ class Products:
             return self.kernels.rms_norm(x, w, eps)
         return F.rms_norm(x, (x.shape[-1],), w, eps)
 
+    def attend(self, q: torch.Tensor, Kc: torch.Tensor, Vc: torch.Tensor, lo: int, end: int, scale: float,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """One token's attention over rows lo..end-1 of a layer's cache Kc, Vc (Hkv, n_ctx, hd): q (H * hd values)
+        -> (1, H * hd) f32, per head h softmax(scale q_h K^T [, sinks_h]) V, head h reading kv head h // (H / Hkv);
+        sinks (H,): one more score per head that adds no value row. On the CPU the kernels' one pass over the cache
+        as held (QuantKernels.attend), elsewhere batched matmuls (10x faster than SDPA for one query)."""
+        if Kc.device.type == "cpu" and self.kernels is not None:
+            return self.kernels.attend(q.float(), Kc, Vc, lo, end, scale, sinks)
+        K, V = kv_window(Kc, Vc, lo, end)                                     # (Hkv, T, hd)
+        Hkv, _, hd = K.shape
+        s = (q.to(K.dtype).reshape(Hkv, -1, hd) @ K.transpose(1, 2)).float() * scale      # (Hkv, H / Hkv, T)
+        if sinks is not None:
+            s = torch.cat((s, sinks.float().view(Hkv, -1, 1)), -1)
+        p = torch.softmax(s, dim=-1)
+        p = p[..., :-1] if sinks is not None else p
+        return (p.to(V.dtype) @ V).reshape(1, -1).float()
+
     def embed(self, w: QTensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows ids (n,) of a stored (V, D) matrix -> (n, D) f32: only those rows are dequantized (on the CPU by
         the kernels in one call, elsewhere by dequant.py; bit-exact either way)."""
@@ -129,14 +146,11 @@ def attention(cfg: Hparams, lw: Layer, linear: Products, Kc: torch.Tensor, Vc: t
     end = pos + n
     Kc[:, pos:end] = k.transpose(0, 1)
     Vc[:, pos:end] = v.view(n, Hkv, hd).transpose(0, 1)
-    K, V = kv_window(Kc, Vc, 0, end)                                   # (Hkv, end, hd)
-    q = q.to(K.dtype)
-    if n == 1:   # decode: plain batched matmuls; on CPU 10x faster than SDPA for one query at 4K context
-        qg = q.view(Hkv, H // Hkv, hd)                                 # head h reads kv head h // (H/Hkv)
-        att = torch.softmax((qg @ K.transpose(1, 2)).float() * hd ** -0.5, dim=-1)   # (Hkv, G, end)
-        o = (att.to(V.dtype) @ V).reshape(1, cfg.q_dim)               # (1, H*hd)
+    if n == 1:
+        o = linear.attend(q, Kc, Vc, 0, end, hd ** -0.5)                  # (1, H*hd)
     else:
-        q, K, V = q.transpose(0, 1)[None], K[None], V[None]                # (1, H, n, hd), (1, Hkv, end, hd)
+        K, V = kv_window(Kc, Vc, 0, end)                                   # (Hkv, end, hd)
+        q, K, V = q.to(K.dtype).transpose(0, 1)[None], K[None], V[None]    # (1, H, n, hd), (1, Hkv, end, hd)
         if pos == 0:
             o = F.scaled_dot_product_attention(q, K, V, is_causal=True, enable_gqa=True)
         else:   # a later ubatch: query i sits at pos+i and sees keys 0..pos+i
