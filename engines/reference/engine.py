@@ -396,9 +396,12 @@ class ReferenceEngine(Engine):
 
     def _attention(self) -> str:
         """The attention each phase runs: a many-token batch goes through torch's SDPA; one token through the fused
-        C++ step (kernels.FusedDecode) where the model has one, else batched matmuls and a softmax (models/)."""
+        C++ step (kernels.FusedDecode) where the model has one, else the kernels' one pass over the cache on the CPU
+        (Products.attend), batched matmuls and a softmax elsewhere."""
         fused = getattr(self.model, "fused", None) is not None
-        decode = "fused C++ kernel (kernels.FusedDecode)" if fused else "torch batched matmul + softmax"
+        decode = "fused C++ kernel (kernels.FusedDecode)" if fused else \
+            "C++ kernel over the KV cache (kernels.QuantKernels.attend)" if self.device.type == "cpu" else \
+            "torch batched matmul + softmax"
         return f"prefill: torch scaled_dot_product_attention; decode: {decode}"
 
     def _kt_info(self) -> dict:
