@@ -144,3 +144,5 @@ def test_attend_against_float64(cache, n_head, n_head_kv, head_dim, lo, end, sin
     assert got.shape == want.shape and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="window"):
         qk.attend(q, Kc, Vc, 10, 65, scale)
+    with pytest.raises(ValueError, match="Hkv"):
+        qk.attend(q, Kc[:0].contiguous(), Vc[:0].contiguous(), 0, 1, scale)

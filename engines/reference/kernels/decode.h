@@ -445,7 +445,7 @@ at::Tensor attend(at::Tensor q, at::Tensor Kc, at::Tensor Vc, int64_t lo, int64_
                   std::optional<at::Tensor> sinks) {
   const bool half = kv_cache(Kc, Vc);
   const int64_t Hkv = Kc.size(0), n_ctx = Kc.size(1), hd = Kc.size(2);
-  TORCH_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat && hd > 0 && q.numel() % (Hkv * hd) == 0,
+  TORCH_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat && Hkv > 0 && hd > 0 && q.numel() % (Hkv * hd) == 0,
                     "q: f32 CPU tensor of a multiple of Hkv * hd = ", Hkv * hd, " values");
   TORCH_CHECK_VALUE(0 <= lo && lo < end && end <= n_ctx, "window ", lo, "..", end, " outside the cache's ", n_ctx, " rows");
   const int64_t H = q.numel() / hd;
