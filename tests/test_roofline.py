@@ -258,7 +258,7 @@ def test_prefill_peak_holds_against_real_gemms(dtype):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for _ in range(3):
+        for _ in range(5):          # the profile's five of each shape, a round at a time between the kernels
             rates += matmul_rates(torch, kind, "cpu", matmul_shapes(threads), 1)
             for shape, run in kernels.items():
                 took[shape] += _seconds(run, 2)
