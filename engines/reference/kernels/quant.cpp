@@ -50,7 +50,7 @@ struct Kernel {
   int64_t group = 1;
   GroupDotFn gdot[GNX] = {};
   LaneFn lane = nullptr;
-  GroupDotFn gdot2[GNX] = {};       // two adjacent groups at once (avx512: one zmm of 16 rows; F16 on avx2), or null
+  GroupDotFn gdot2[GNX] = {};       // two adjacent groups at once for n >= 2 (avx512: 16 rows a zmm; F16 on avx2), or null
   PackFn pack = nullptr;
   UnpackFn unpack = nullptr;
 };
@@ -59,10 +59,14 @@ template <class T, size_t... N> Kernel kernel(std::index_sequence<N...>) {
   return {T::QK, T::BYTES, T::FMT, {&T::template dot<N + 1>...}, &T::dequant_row};
 }
 template <class T> Kernel kernel() { return kernel<T>(std::make_index_sequence<NX_MAX>()); }
+template <class T, int NX> constexpr GroupDotFn two_groups() {
+  if constexpr (NX > 1) return &T::template dot2<NX>;
+  else return nullptr;
+}
 template <class T, size_t... N> Kernel group_kernel(std::index_sequence<N...>) {
   Kernel k{T::QK, T::BYTES, T::FMT, {}, nullptr, T::G, {&T::template dot<N + 1>...}, &T::dequant_lane, {}, &T::pack,
            &T::unpack};
-  if constexpr (T::DOT2) ((k.gdot2[N] = &T::template dot2<N + 1>), ...);
+  if constexpr (T::DOT2) ((k.gdot2[N] = two_groups<T, N + 1>()), ...);
   return k;
 }
 
@@ -171,14 +175,14 @@ at::Tensor f32_rows(const at::Tensor& x, int64_t k, const char* what) {
 }
 
 // groups r0.. (whole groups up to r1) times n <= GNX x rows: out[i * ldo + r - r0], two groups at a time where
-// the kernel has gdot2 and n > 1. One x row (decode) streams one group at a time: on a Zen 4 EPYC, 2 threads, the
+// the kernel has gdot2[n - 1] (n > 1). One x row (decode) streams one group at a time: on a Zen 4 EPYC, 2 threads, the
 // two-group kernels read one token's routed experts at 28 GB/s against 32-40 one group at a time (every x8 type),
 // and a 4096 x 4096 F16 matvec at 29 against 38 (benchmarks/kernels.py)
 inline void group_dots(const Weight& w, int64_t r0, int64_t r1, const XRow* x, int64_t n, float* out, int64_t ldo) {
   const Kernel& kn = *w.kern;
   const int64_t g = kn.group;
   int64_t r = r0;
-  if (kn.gdot2[0] && n > 1)
+  if (kn.gdot2[n - 1])
     for (; r + 2 * g <= r1; r += 2 * g) kn.gdot2[n - 1](w.row(r), w.k, x, out + r - r0, ldo);
   for (; r < r1; r += g) kn.gdot[n - 1](w.row(r), w.k, x, out + r - r0, ldo);
 }

@@ -212,10 +212,9 @@ struct F16_X8 : X8Layout<F16_X8, F16> {
   }
 
   template <class V, int NX> static void dot_v(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
-    // chains per x row: enough to cover the FMA latency; 16 rows (avx512's dot2) as avx2's dot2 adds each row, so
-    // that both variants' products stay bit-identical
-    constexpr bool V16 = sizeof(typename V::F) == 64;
-    constexpr int A = NX == 1 ? (V16 ? 2 : 4) : (V16 ? 1 : 2);
+    // chains per x row: enough to cover the FMA latency; 16 rows (avx512's dot2, n > 1) one, as avx2's dot2 adds
+    // each row, so that both variants' products stay bit-identical
+    constexpr int A = NX == 1 ? 4 : sizeof(typename V::F) == 64 ? 1 : 2;
     const int64_t gs = K * SRC;
     typename V::F acc[NX][A];
     FOR_X for (int a = 0; a < A; ++a) acc[r][a] = V::fzero();
@@ -230,28 +229,24 @@ struct F16_X8 : X8Layout<F16_X8, F16> {
     }
   }
 #ifndef __AVX512F__
-  // Two adjacent groups a call (out lanes 0-15): each x broadcast feeds two FMAs, and 2 NX chains cover the FMA
-  // latency. On an AVX2 EPYC, L1-resident, a core: 76 GFLOP/s with one group and 4 x rows, 93 with two (FMA peak 102).
+  // Two adjacent groups a call (out lanes 0-15) for 2 or more x rows: each x broadcast feeds two FMAs, and the 2 NX
+  // chains cover the FMA latency. On an AVX2 EPYC, L1-resident, a core: 76 GFLOP/s with one group and 4 x rows, 93
+  // with two (FMA peak 102).
   static constexpr bool DOT2 = true;
   template <int NX> static void dot2(const uint8_t* g, int64_t K, const XRow* x, float* out, int64_t ldo) {
-    constexpr int A = NX == 1 ? 2 : 1;      // chains per x row and group
     const int64_t gs = K * SRC;
-    __m256 acc[NX][2][A];
-    FOR_X for (int j = 0; j < 2; ++j) for (int a = 0; a < A; ++a) acc[r][j][a] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < K; i += A)
-      for (int a = 0; a < A; ++a) {
-        const uint8_t* p = g + SRC * (i + a);
-        const __m256 w0 = V8::half(p, 0), w1 = V8::half(p + gs, 0);
-        FOR_X {
-          const __m256 xv = _mm256_set1_ps(x[r].f[i + a]);
-          acc[r][0][a] = _mm256_fmadd_ps(w0, xv, acc[r][0][a]);
-          acc[r][1][a] = _mm256_fmadd_ps(w1, xv, acc[r][1][a]);
-        }
+    __m256 acc[NX][2];
+    FOR_X acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < K; ++i) {
+      const uint8_t* p = g + SRC * i;
+      const __m256 w0 = V8::half(p, 0), w1 = V8::half(p + gs, 0);
+      FOR_X {
+        const __m256 xv = _mm256_set1_ps(x[r].f[i]);
+        acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);
       }
-    FOR_X for (int j = 0; j < 2; ++j) {
-      if constexpr (A == 2) acc[r][j][0] = _mm256_add_ps(acc[r][j][0], acc[r][j][1]);
-      _mm256_storeu_ps(out + r * ldo + 8 * j, acc[r][j][0]);
     }
+    FOR_X for (int j = 0; j < 2; ++j) _mm256_storeu_ps(out + r * ldo + 8 * j, acc[r][j]);
   }
 #endif
 };
