@@ -514,15 +514,15 @@ at::Tensor attn_decode(at::Tensor x, std::optional<at::Tensor> attn_norm, double
   norm_rope_row(q, qd, qw, gq, eps, c, s, neox, hd, rot.data());
   norm_rope_row(k, kvd, kw, gk, eps, c, s, neox, hd, rot.data());
   std::vector<float> o(qd);
-  const auto attend = [&](auto* K, auto* V) {        // float* or uint16_t* (f16 bits)
+  const auto store_and_attend = [&](auto* K, auto* V) {        // float* or uint16_t* (f16 bits)
     for (int64_t g = 0; g < Hkv; ++g) {
       store_kv(k + g * hd, K + (g * n_ctx + pos) * hd, hd);
       store_kv(v + g * hd, V + (g * n_ctx + pos) * hd, hd);
     }
     attend_window(q, K, V, H, Hkv, n_ctx, hd, 0, pos + 1, 1.f / std::sqrt((float)hd), nullptr, o.data());
   };
-  if (half) attend((uint16_t*)Kc.data_ptr<at::Half>(), (uint16_t*)Vc.data_ptr<at::Half>());
-  else attend(Kc.data_ptr<float>(), Vc.data_ptr<float>());
+  if (half) store_and_attend((uint16_t*)Kc.data_ptr<at::Half>(), (uint16_t*)Vc.data_ptr<at::Half>());
+  else store_and_attend(Kc.data_ptr<float>(), Vc.data_ptr<float>());
   auto y = at::empty({1, D}, x.options());
   Acts oa(o.data(), 1, qd);
   matvec_into(wo, oa, y.data_ptr<float>());
