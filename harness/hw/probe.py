@@ -152,9 +152,8 @@ def fp16_arith() -> bool | None:
 def matmul_shapes(threads: int, quick: bool = False) -> list[tuple[int, int, int]]:
     """The (m, k, n) products a CPU matmul peak is the best of: large enough that the kernels run at their peak (1024
     fell short of it with int8 at 2 threads); square and prefill-shaped (n/4 rows: a 512-token ubatch, into and out
-    of an expert 3n/8 wide, and from a model n/2 wide into one 3n/4 wide, whose shorter k stays in cache: a 1024 ->
-    1536 product ran at 100.4 % of the others' best f32 peak), as the shapes' rates differ by a few % and a peak must
-    be the best of them."""
+    of an expert 3n/8 wide, and from a model n/2 wide into one 3n/4 wide: a 1024 -> 1536 product once ran at 100.4 %
+    of the other shapes' best f32 rate), as the shapes' rates differ by a few % and a peak must be the best of them."""
     n = 1024 if quick else 2048 if threads <= 16 else 4096
     return [(n, n, n), (n // 4, n, n), (n // 4, n, 3 * n // 8), (n // 4, 3 * n // 8, n), (n // 4, n // 2, 3 * n // 4)]
 

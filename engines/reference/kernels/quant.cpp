@@ -50,7 +50,7 @@ struct Kernel {
   int64_t group = 1;
   GroupDotFn gdot[GNX] = {};
   LaneFn lane = nullptr;
-  GroupDotFn gdot2[GNX] = {};       // two adjacent groups at once for n >= 2 (avx512: 16 rows a zmm; F16 on avx2), or null
+  GroupDotFn gdot2[GNX] = {};       // two adjacent groups at once, n >= 2 (avx512: 16 rows a zmm; F16 on avx2), or null
   PackFn pack = nullptr;
   UnpackFn unpack = nullptr;
 };
